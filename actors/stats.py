@@ -1,0 +1,100 @@
+"""Records the speculative loop hands to observers (telemetry, benchmarks).
+
+The coordinator never imports cluster/: it calls an injected `LoopObserver` with these records, and
+cluster.telemetry implements the observer. Times are seconds from the injected clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One batched round of a unit: every active sequence drafted, scored and verified once."""
+
+    unit: str
+    batch_size: int
+    draft_s: float  # drafter call, wall time
+    score_s: float  # target forward (all shards), wall time
+    verify_s: float  # verification incl. the ASD ledger charge
+    total_s: float  # whole round; orchestration = total - draft - score - verify
+    rows: tuple["RowRecord", ...] = ()
+
+    @property
+    def orchestration_s(self) -> float:
+        return max(0.0, self.total_s - self.draft_s - self.score_s - self.verify_s)
+
+
+@dataclass(frozen=True)
+class RowRecord:
+    """One sequence's part of a round."""
+
+    request_id: str
+    arm: str
+    gamma: int  # tokens drafted this round (0 = plain decoding)
+    accepted: int  # draft tokens kept
+    relaxed: int = 0  # kept mismatches (ASD)
+    regret: float = 0.0  # regret charged this round (ASD)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """A finished request, as reported in `usage.speculative`."""
+
+    request_id: str
+    arm: str
+    unit: str
+    prompt_tokens: int
+    output_tokens: int
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    gammas: tuple[int, ...]
+    started_s: float
+    first_token_s: float | None
+    finished_s: float
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    degraded: bool = False  # drafter was unavailable for part of the request
+    verification: str = "exact"  # "exact" | "asd"
+    regret_spent: float | None = None
+    regret_budget: float | None = None
+    relaxed_tokens: int | None = None
+    ledger_exhausted: bool = False
+    accepted_per_position: tuple[int, ...] = field(default=())  # [k] = rounds that kept position k
+
+    def speculative_usage(self) -> dict:
+        """The `usage.speculative` object of the HTTP API (keys are a public contract)."""
+        gammas = self.gammas or (0,)
+        out = {
+            "arm": self.arm,
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            "mean_accepted_length": self.accepted_tokens / self.rounds if self.rounds else 0.0,
+            "gamma_min": min(gammas),
+            "gamma_mean": sum(gammas) / len(gammas),
+            "gamma_max": max(gammas),
+            "degraded": self.degraded,
+        }
+        if self.verification == "asd":
+            out["regret_spent"] = self.regret_spent or 0.0
+            out["regret_budget"] = self.regret_budget
+            out["relaxed_tokens"] = self.relaxed_tokens or 0
+        return out
+
+
+class LoopObserver(Protocol):
+    def on_round(self, record: RoundRecord) -> None: ...
+
+    def on_request(self, record: RequestRecord) -> None: ...
+
+
+class NullObserver:
+    def on_round(self, record: RoundRecord) -> None:
+        pass
+
+    def on_request(self, record: RequestRecord) -> None:
+        pass
