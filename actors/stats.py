@@ -16,6 +16,7 @@ class RoundRecord:
 
     unit: str
     batch_size: int
+    started_s: float  # wall clock (time.time()) at round start, for trace spans
     draft_s: float  # drafter call, wall time
     score_s: float  # target forward (all shards), wall time
     verify_s: float  # verification incl. the ASD ledger charge
