@@ -1,0 +1,147 @@
+"""Approximate Speculative Decoding (ASD): greedy verification that may keep near-miss draft tokens.
+
+For position i (0-based) of a row's block of K_b draft tokens x, with teacher-forced target logits z_i:
+- y*_i = argmax z_i; a **mismatch** is x_i ≠ y*_i, with **regret** r_i = z_i(y*_i) − z_i(x_i) ≥ 0 and
+  **value** v_i = (K_b − i) / K_b (an early mismatch costs more of the block than a late one).
+- A mismatch is **relaxed** (accepted) only if the gate r_i / v_i ≤ g holds, the block's relaxed tokens
+  including it are ≤ M (`max_relaxed_per_block`), the budget left before it (the ledger's remaining R at block
+  start minus the regret of the block's earlier relaxed tokens) is > 0, and the block's relaxed regret
+  including it is ≤ R. Exact matches are free.
+- The longest prefix of accepted positions is kept; then y* is emitted at the stop position (or the bonus
+  y*_{K_b}). Since z is teacher-forced on the realized draft, target-greedy tokens after a relaxed one are kept
+  too: ASD's suffix reuse.
+- Every relaxed token writes a `LedgerEvent` to its row's `RegretLedger`, and its regret is spent.
+  Budget 0, g = 0 or M = 0 give exactly `verify_greedy` (g = 0 disables relaxation, zero-regret ties included).
+
+The feasibility mask is built from cumulative sums and a cumulative product over positions; the only Python
+loop is the ledger bookkeeping over rows afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from policies.ledger import LedgerEvent, RegretLedger
+from policies.scores import TargetScores, compact_scores
+from policies.verdict import Verdict, accepted_prefix, assemble_tokens, check_draft, positions
+
+__all__ = ["ASDConfig", "LedgerEvent", "RegretLedger", "verify_asd", "verify_asd_scores"]
+
+
+@dataclass(frozen=True)
+class ASDConfig:
+    """One ASD arm's verification setting: `ASDConfig(g, max_relaxed_per_block, budget)`."""
+
+    g: float = Field(ge=0, description="Gate: a mismatch needs regret / value ≤ g. 0 disables relaxation.")
+    max_relaxed_per_block: int = Field(ge=0, description="M: most relaxed tokens in one block. 0 disables.")
+    budget: float = Field(
+        ge=0, allow_inf_nan=False, description="B: regret each request may spend in total (its ledger's budget)."
+    )
+
+    @property
+    def relaxes(self) -> bool:
+        """Whether this setting can accept any mismatch at all."""
+        return self.g > 0 and self.max_relaxed_per_block > 0 and self.budget > 0
+
+    def new_ledger(self, request_id: str | None = None) -> RegretLedger:
+        """A fresh ledger with this arm's budget."""
+        return RegretLedger(self.budget, request_id=request_id)
+
+
+def verify_asd(
+    draft_ids: torch.Tensor,  # [B, K] long
+    target_logits: torch.Tensor,  # [B, K+1, V] float
+    ledgers: Sequence[RegretLedger],  # one per row, distinct
+    config: ASDConfig,
+    draft_lens: torch.Tensor | None = None,  # [B] long
+) -> Verdict:
+    """ASD on full logits; equal to `verify_asd_scores(draft_ids, compact_scores(...), ledgers, config)`."""
+    return verify_asd_scores(draft_ids, compact_scores(draft_ids, target_logits), ledgers, config, draft_lens)
+
+
+def verify_asd_scores(
+    draft_ids: torch.Tensor,  # [B, K] long
+    scores: TargetScores,
+    ledgers: Sequence[RegretLedger],  # one per row, distinct
+    config: ASDConfig,
+    draft_lens: torch.Tensor | None = None,  # [B] long
+) -> Verdict:
+    """ASD on compact scores; charges each row's ledger. A call that raises charges nothing."""
+    lens = check_draft(draft_ids, draft_lens)  # [B]
+    scores.check(draft_ids)
+    ledgers = _check_ledgers(ledgers, draft_ids.shape[0])
+    if not isinstance(config, ASDConfig):
+        raise ValueError(f"config must be an ASDConfig, got {type(config).__name__}")
+
+    k = draft_ids.shape[1]
+    pos = positions(k)  # [K]
+    valid = pos < lens[:, None]  # [B, K]
+    target = scores.argmax_ids[:, :k]  # [B, K]
+    mismatch = (draft_ids != target) & valid  # [B, K]
+    # float64 so the budget test matches the ledger's Python-float arithmetic.
+    regret = (scores.argmax_logits[:, :k].double() - scores.draft_logits.double()).clamp(min=0)  # [B, K]
+    cost = torch.where(mismatch, regret, 0.0)  # [B, K]
+    spent_incl = cost.cumsum(dim=1)  # [B, K], block regret up to and including i
+    if config.g > 0 and config.max_relaxed_per_block > 0:
+        remaining = torch.tensor([ledger.remaining for ledger in ledgers], dtype=torch.float64)  # [B]
+        spent_before = torch.cat([torch.zeros(len(ledgers), 1, dtype=torch.float64), spent_incl[:, :-1]], dim=1)
+        block_len = lens[:, None].double()  # [B, 1]
+        gate = regret * block_len <= config.g * (block_len - pos)  # r_i / v_i ≤ g, with v_i > 0 where valid
+        cap = mismatch.long().cumsum(dim=1) <= config.max_relaxed_per_block  # [B, K]
+        funded = (remaining[:, None] - spent_before > 0) & (spent_incl <= remaining[:, None])  # [B, K]
+        keep = valid & (~mismatch | (gate & cap & funded))  # [B, K]
+    else:
+        keep = valid & ~mismatch  # [B, K]
+    num_accepted = accepted_prefix(keep)  # [B]
+    relaxed = mismatch & (pos < num_accepted[:, None])  # [B, K]
+    last_kept = (num_accepted - 1).clamp(min=0)[:, None]  # [B, 1]
+    block_regret = torch.where(num_accepted > 0, spent_incl.gather(1, last_kept).squeeze(1), 0.0)  # [B]
+    last = scores.argmax_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+
+    _charge(ledgers, draft_ids, target, regret, relaxed, block_regret, lens)
+    return Verdict(
+        tokens=assemble_tokens(draft_ids, num_accepted, last),
+        num_accepted=num_accepted,
+        num_relaxed=relaxed.sum(dim=1),
+        regret=block_regret.float(),
+    )
+
+
+def _charge(
+    ledgers: list[RegretLedger],
+    draft_ids: torch.Tensor,  # [B, K]
+    target: torch.Tensor,  # [B, K]
+    regret: torch.Tensor,  # [B, K] float64
+    relaxed: torch.Tensor,  # [B, K] bool
+    block_regret: torch.Tensor,  # [B] float64
+    lens: torch.Tensor,  # [B]
+) -> None:
+    """Write one block to every ledger whose row had a block, with an event per relaxed token."""
+    events: dict[int, list[LedgerEvent]] = {}
+    rows, cols = relaxed.nonzero(as_tuple=True)
+    if rows.numel():
+        for b, i, x, y, r in zip(
+            rows.tolist(), cols.tolist(), draft_ids[rows, cols].tolist(),
+            target[rows, cols].tolist(), regret[rows, cols].tolist(),
+        ):
+            k_b = int(lens[b])
+            block = ledgers[b].blocks
+            events.setdefault(b, []).append(LedgerEvent(block, i, x, y, r, (k_b - i) / k_b))
+    for b, (ledger, k_b, spent) in enumerate(zip(ledgers, lens.tolist(), block_regret.tolist())):
+        if k_b > 0:
+            ledger.charge_block(events.get(b, ()), spent)
+
+
+def _check_ledgers(ledgers: Sequence[RegretLedger], batch: int) -> list[RegretLedger]:
+    ledgers = list(ledgers)
+    if len(ledgers) != batch:
+        raise ValueError(f"ledgers must hold one RegretLedger per row (B={batch}), got {len(ledgers)}")
+    if not all(isinstance(ledger, RegretLedger) for ledger in ledgers):
+        raise ValueError("ledgers must all be RegretLedger instances")
+    if len({id(ledger) for ledger in ledgers}) != batch:
+        raise ValueError("ledgers must be distinct: one request's ledger appears in two rows")
+    return ledgers

@@ -1,0 +1,197 @@
+"""Exact verification: the emitted tokens follow the target's distribution exactly.
+
+- Greedy: keep the longest prefix where the draft token x_i equals the target argmax y*_i, then emit y* at the
+  stop position (recovered token) or at position K_b (bonus token).
+- Sampled (Leviathan et al. 2022, speculative sampling): accept x_i with probability min(1, p_i(x_i) / q_i(x_i));
+  at the first rejection emit a sample of norm(max(0, p_i − q_i)); after a fully accepted block emit a sample of
+  p_{K_b}. Then every emitted token has the target's distribution p.
+
+Shapes: B rows, K draft positions, V vocabulary. Logits and probabilities are teacher-forced on the draft:
+row i scores the token after the first i draft tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from policies.scores import TargetScores, compact_scores
+from policies.verdict import Verdict, accepted_prefix, assemble_tokens, check_draft, check_vocab_range, positions
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def verify_greedy(
+    draft_ids: torch.Tensor,  # [B, K] long
+    target_logits: torch.Tensor,  # [B, K+1, V] float
+    draft_lens: torch.Tensor | None = None,  # [B] long
+) -> Verdict:
+    """Greedy verification on full logits; equal to `verify_greedy_scores(draft_ids, compact_scores(...))`."""
+    return verify_greedy_scores(draft_ids, compact_scores(draft_ids, target_logits), draft_lens)
+
+
+def verify_greedy_scores(
+    draft_ids: torch.Tensor,  # [B, K] long
+    scores: TargetScores,
+    draft_lens: torch.Tensor | None = None,  # [B] long
+) -> Verdict:
+    """Greedy verification on compact scores: keep x_i while x_i == y*_i, then emit y* at the stop position."""
+    lens = check_draft(draft_ids, draft_lens)  # [B]
+    scores.check(draft_ids)
+    k = draft_ids.shape[1]
+    valid = positions(k) < lens[:, None]  # [B, K]
+    match = (draft_ids == scores.argmax_ids[:, :k]) & valid  # [B, K]
+    num_accepted = accepted_prefix(match)  # [B]
+    last = scores.argmax_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    return Verdict(tokens=assemble_tokens(draft_ids, num_accepted, last), num_accepted=num_accepted)
+
+
+def process_logits(
+    logits: torch.Tensor,  # [B, ..., V] float
+    temperature: float | torch.Tensor,  # scalar or [B]
+    top_k: int | torch.Tensor | None = None,  # scalar or [B]; None keeps all
+    top_p: float | torch.Tensor | None = None,  # scalar or [B] in (0, 1]; None keeps all
+) -> torch.Tensor:  # [B, ..., V] float probabilities
+    """Turn logits into the sampling distribution; the one place this happens, for drafter and target alike.
+
+    Order (as in Hugging Face's warpers): divide by the temperature, keep the top_k largest logits (ties at
+    the k-th value kept), keep the smallest top-probability set whose mass reaches top_p, softmax.
+    Temperature 0 gives the one-hot distribution of the argmax (greedy as a distribution).
+    A per-row tensor parameter [B] applies to dim 0 of `logits`.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1 or not logits.is_floating_point():
+        raise ValueError("logits must be a floating-point tensor [..., V]")
+    if torch.isnan(logits).any() or (logits == float("inf")).any():
+        raise ValueError("logits holds NaN or +inf values")
+    vocab = logits.shape[-1]
+    temperature = _per_row("temperature", temperature, logits, torch.float32)
+    if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
+        raise ValueError("temperature must be finite and ≥ 0")
+    greedy = temperature == 0  # broadcastable to logits
+    scaled = logits / torch.where(greedy, 1.0, temperature)  # [B, ..., V]
+    if top_k is not None:
+        k = _per_row("top_k", top_k, logits, torch.long)
+        if bool((k < 1).any()):
+            raise ValueError("top_k must be ≥ 1 (None keeps every token)")
+        k = k.clamp(max=vocab)
+        kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (k - 1).expand(*scaled.shape[:-1], 1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # [B, ..., V]
+    if top_p is not None:
+        p = _per_row("top_p", top_p, logits, scaled.dtype)
+        if bool(((p <= 0) | (p > 1)).any()):
+            raise ValueError("top_p must lie in (0, 1]")
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, ..., V]
+        sorted_probs = sorted_logits.softmax(dim=-1)  # [B, ..., V]
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, ..., V]
+        drop_sorted = mass_before >= p  # the top token always has mass_before 0 < p, so it stays
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [B, ..., V]
+        scaled = scaled.masked_fill(drop, float("-inf"))  # [B, ..., V]
+    if not bool(torch.isfinite(scaled.amax(dim=-1)).all()):
+        raise ValueError("logits has a row where every value is -inf")
+    probs = scaled.softmax(dim=-1)  # [B, ..., V]
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [B, ..., V]
+        probs = torch.where(greedy, one_hot, probs)
+    return probs
+
+
+def verify_sampled(
+    draft_ids: torch.Tensor,  # [B, K] long
+    draft_probs: torch.Tensor | None,  # [B, K, V] float q, or None for one-hot q at the draft token
+    target_probs: torch.Tensor,  # [B, K+1, V] float p
+    generator: Generators = None,
+    draft_lens: torch.Tensor | None = None,  # [B] long
+) -> Verdict:
+    """Speculative sampling (Leviathan et al. 2022). The emitted tokens follow p exactly.
+
+    Accept x_i iff u_i · q_i(x_i) < p_i(x_i) with u_i ~ U[0, 1): probability min(1, p/q), no NaN when p == q,
+    and a token with p(x) = 0 is never kept, even when q(x) = 0. At the first rejection emit a sample of
+    norm(max(0, p_i − q_i)) (falling back to p_i when rounding leaves no mass); after a fully accepted block
+    emit a sample of p_{K_b}. `draft_probs=None` is a drafter without a distribution (n-gram): q is one-hot at
+    x_i, so x_i is kept with probability p_i(x_i) and the residual is p_i with x_i removed.
+
+    `generator` is one torch.Generator (or None: the global one) for the whole batch, or a list of B of them:
+    then row b draws its K_b + 1 uniforms from its own generator only, so a seeded request reproduces whatever
+    else is in its batch.
+    """
+    lens = check_draft(draft_ids, draft_lens)  # [B]
+    batch, k = draft_ids.shape
+    valid = positions(k) < lens[:, None]  # [B, K]
+    scored = positions(k + 1) <= lens[:, None]  # [B, K+1]
+    p = _check_probs("target_probs", target_probs, (batch, k + 1), scored)  # [B, K+1, V]
+    vocab = p.shape[2]
+    check_vocab_range(draft_ids, vocab)
+    if draft_probs is not None:
+        q = _check_probs("draft_probs", draft_probs, (batch, k, vocab), valid)  # [B, K, V]
+    x = draft_ids.clamp(min=0)  # [B, K]
+    uniforms = _uniforms(generator, lens, k)  # [B, K+1]; column K_b of row b samples the last token
+    p_x = p[:, :k].gather(-1, x[..., None]).squeeze(-1)  # [B, K]
+    q_x = torch.ones_like(p_x) if draft_probs is None else q.gather(-1, x[..., None]).squeeze(-1)  # [B, K]
+    accept = (uniforms[:, :k] * q_x < p_x) & valid  # [B, K]
+    num_accepted = accepted_prefix(accept)  # [B]
+    rows = torch.arange(batch)
+    p_last = p[rows, num_accepted]  # [B, V]
+    rejected = num_accepted < lens  # [B]
+    stop = num_accepted.clamp(max=k - 1)  # [B], row index of the rejected position
+    if draft_probs is None:
+        q_last = torch.zeros_like(p_last).scatter_(1, x[rows, stop][:, None], 1.0)  # [B, V]
+    else:
+        q_last = q[rows, stop]  # [B, V]
+    residual = (p_last - q_last).clamp(min=0)  # [B, V]
+    use_residual = rejected & (residual.sum(dim=1) > 0)  # [B]
+    dist = torch.where(use_residual[:, None], residual, p_last)  # [B, V]
+    u_last = uniforms.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    last = _sample_inverse_cdf(dist, u_last)  # [B]
+    return Verdict(tokens=assemble_tokens(draft_ids, num_accepted, last), num_accepted=num_accepted)
+
+
+def _sample_inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of an unnormalised distribution dist [B, V] from uniforms u [B] in [0, 1)."""
+    cdf = dist.double().cumsum(dim=1)  # [B, V]
+    threshold = u.double() * cdf[:, -1]  # [B], strictly below the total mass
+    # The first index whose cdf exceeds the threshold; a zero-mass token never is one.
+    index = torch.searchsorted(cdf, threshold[:, None], right=True).squeeze(1)  # [B]
+    return index.clamp(max=dist.shape[1] - 1)
+
+
+def _uniforms(generator: Generators, lens: torch.Tensor, k: int) -> torch.Tensor:
+    """U[0, 1) draws [B, K+1]. Per-row generators draw only the K_b + 1 values their row uses."""
+    batch = lens.shape[0]
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(batch, k + 1, generator=generator)
+    generators = list(generator)
+    if len(generators) != batch or not all(isinstance(g, torch.Generator) for g in generators):
+        raise ValueError(f"generator must be a torch.Generator or a list of B={batch} of them")
+    uniforms = torch.zeros(batch, k + 1)
+    for row, (g, n) in enumerate(zip(generators, lens.tolist())):
+        uniforms[row, : n + 1] = torch.rand(n + 1, generator=g)
+    return uniforms
+
+
+def _check_probs(name: str, probs: object, shape: tuple[int, ...], used: torch.Tensor) -> torch.Tensor:
+    """Validate a probability tensor; `shape` gives its leading dims (and V when known).
+
+    Rows where `used` [B, n] is False (padding of ragged blocks) need not sum to 1.
+    """
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 3 or not probs.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor of rank 3")
+    if tuple(probs.shape[: len(shape)]) != shape:
+        raise ValueError(f"{name} must have leading shape {shape}, got {tuple(probs.shape)}")
+    if probs.shape[2] == 0:
+        raise ValueError(f"{name} has an empty vocabulary (V = 0)")
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+        raise ValueError(f"{name} must be finite and non-negative")
+    if not bool((((probs.sum(dim=-1) - 1).abs() <= 1e-3) | ~used).all()):
+        raise ValueError(f"{name} has a row that does not sum to 1")
+    return probs
+
+
+def _per_row(name: str, value: float | int | torch.Tensor, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A scalar or a [B] tensor parameter, shaped to broadcast against logits [B, ..., V]."""
+    tensor = torch.as_tensor(value, dtype=dtype)
+    if tensor.dim() == 0:
+        return tensor.reshape([1] * logits.dim())
+    if tensor.shape != (logits.shape[0],):
+        raise ValueError(f"{name} must be a scalar or a tensor of shape [{logits.shape[0]}]")
+    return tensor.reshape([-1] + [1] * (logits.dim() - 1))

@@ -1,0 +1,98 @@
+"""The verdict of one verification call, and the block helpers every verifier shares.
+
+Terms (see DESIGN.md): a **block** is the K draft tokens of one round of one row. A row's **accepted** tokens
+are the draft tokens kept; then exactly one more token is emitted: the **recovered** token at the first
+rejected position, or the **bonus** token after a fully accepted block. Rows of one batch may carry blocks of
+different lengths K_b ≤ K (**ragged** blocks): `draft_ids` is padded with `PAD_TOKEN_ID` beyond K_b and
+`draft_lens[b] = K_b`. A row with K_b = 0 is plain decoding: it emits one target token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_TOKEN_ID = -1
+"""Fills `draft_ids` beyond a row's own block length and `Verdict.tokens` beyond a row's emitted tokens."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one block per row. Row b emits `tokens[b, : num_accepted[b] + 1]`."""
+
+    tokens: torch.Tensor  # [B, K+1] long, PAD_TOKEN_ID after the emitted tokens
+    num_accepted: torch.Tensor  # [B] long, draft tokens kept (relaxed ones included)
+    num_relaxed: torch.Tensor | None = None  # [B] long, accepted mismatches (ASD only)
+    regret: torch.Tensor | None = None  # [B] float, regret charged to the row's ledger this call (ASD only)
+
+    def emitted(self) -> list[list[int]]:
+        """The emitted token ids of each row, as Python lists."""
+        counts = (self.num_accepted + 1).tolist()
+        return [row[:n] for row, n in zip(self.tokens.tolist(), counts)]
+
+
+def check_draft(draft_ids: torch.Tensor, draft_lens: torch.Tensor | None) -> torch.Tensor:
+    """Validate a padded draft block and return the row lengths `draft_lens` [B] (long).
+
+    `draft_ids` [B, K] long with K ≥ 1. Without `draft_lens` every row has K tokens. With it, ids beyond
+    a row's length must be `PAD_TOKEN_ID`, ids within it must be ≥ 0 (the upper bound, the vocabulary size,
+    is checked where it is known).
+    """
+    if not isinstance(draft_ids, torch.Tensor) or draft_ids.dim() != 2:
+        raise ValueError(f"draft_ids must be a 2-D tensor [B, K], got {_describe(draft_ids)}")
+    if draft_ids.dtype != torch.long:
+        raise ValueError(f"draft_ids must be torch.long, got {draft_ids.dtype}")
+    batch, k = draft_ids.shape
+    if k == 0:
+        raise ValueError("draft_ids has K = 0 positions; plain decoding is draft_lens = 0 with K ≥ 1")
+    if batch == 0:
+        raise ValueError("draft_ids has an empty batch (B = 0)")
+    if draft_lens is None:
+        if bool((draft_ids < 0).any()):
+            raise ValueError("draft_ids holds negative token ids; pass draft_lens for padded (ragged) blocks")
+        return torch.full((batch,), k, dtype=torch.long)
+    if not isinstance(draft_lens, torch.Tensor) or draft_lens.shape != (batch,):
+        raise ValueError(f"draft_lens must be a tensor of shape [{batch}], got {_describe(draft_lens)}")
+    if draft_lens.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"draft_lens must be an integer tensor, got {draft_lens.dtype}")
+    draft_lens = draft_lens.long()
+    if bool(((draft_lens < 0) | (draft_lens > k)).any()):
+        raise ValueError(f"draft_lens must lie in [0, K={k}], got {draft_lens.tolist()}")
+    valid = positions(k) < draft_lens[:, None]  # [B, K]
+    if bool((valid & (draft_ids < 0)).any()):
+        raise ValueError("draft_ids holds negative token ids within draft_lens")
+    if bool((~valid & (draft_ids != PAD_TOKEN_ID)).any()):
+        raise ValueError(f"draft_ids must be PAD_TOKEN_ID ({PAD_TOKEN_ID}) beyond draft_lens")
+    return draft_lens
+
+
+def check_vocab_range(draft_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError when a draft id is ≥ `vocab_size`."""
+    if bool((draft_ids >= vocab_size).any()):
+        raise ValueError(f"draft_ids holds token ids ≥ the vocabulary size {vocab_size}")
+
+
+def positions(k: int) -> torch.Tensor:
+    """Position indices 0..k-1 as a [k] long tensor."""
+    return torch.arange(k, dtype=torch.long)
+
+
+def assemble_tokens(draft_ids: torch.Tensor, num_accepted: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
+    """Emitted tokens [B, K+1]: the first num_accepted[b] draft ids, then last_token[b], then padding."""
+    batch, k = draft_ids.shape
+    pad = torch.full((batch, 1), PAD_TOKEN_ID, dtype=torch.long)
+    tokens = torch.cat([draft_ids, pad], dim=1)  # [B, K+1]
+    tokens = torch.where(positions(k + 1) < num_accepted[:, None], tokens, PAD_TOKEN_ID)  # [B, K+1]
+    return tokens.scatter_(1, num_accepted[:, None], last_token[:, None])  # [B, K+1]
+
+
+def accepted_prefix(keep: torch.Tensor) -> torch.Tensor:
+    """Length [B] of the longest all-True prefix of `keep` [B, K] (bool)."""
+    return keep.to(torch.int32).cumprod(dim=1).sum(dim=1).long()  # [B]
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__
