@@ -1,0 +1,211 @@
+"""Choosing γ, the number of draft tokens per round: the speedup model and the adaptive `GammaPolicy`.
+
+Terms (DESIGN.md): α is the probability that a draft token is accepted; c the cost of one drafter step and
+v(γ) the cost of scoring γ + 1 tokens, both relative to one target step (v(0) = 1). A round with γ drafts
+emits E(γ) = (1 − α^(γ+1)) / (1 − α) tokens in expectation and costs γ·c + v(γ), so the speedup over plain
+decoding is S(γ) = E(γ) / (γ·c + v(γ)) (Leviathan et al. 2022 with v ≡ 1). γ = 0 is plain decoding, S = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from policies.estimators import Acceptance, CostModel
+
+_TIE = 1e-9  # relative margin: a γ must beat the incumbent by more than rounding to be chosen
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E(γ) = 1 + α + … + α^γ, the expected tokens one round emits (accepted + the recovered/bonus token)."""
+    _check_alpha(alpha)
+    _check_gamma("gamma", gamma)
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float, verify_cost: Sequence[float] | None = None) -> float:
+    """S(γ) = E(γ) / (γ·c + v(γ)); `verify_cost[γ]` is v(γ), None means v ≡ 1. γ = 0 gives 1."""
+    _check_gamma("gamma", gamma)
+    if not (math.isfinite(c) and c >= 0):
+        raise ValueError(f"c must be finite and ≥ 0, got {c}")
+    if gamma == 0:
+        _check_alpha(alpha)
+        return 1.0
+    v = 1.0 if verify_cost is None else _check_verify_cost(verify_cost, gamma)[gamma]
+    return expected_tokens(alpha, gamma) / (gamma * c + v)
+
+
+def best_gamma(alpha: float, c: float, gamma_max: int, verify_cost: Sequence[float] | None = None) -> int:
+    """The smallest γ in 0..gamma_max maximising S(γ); 0 (speculation off) unless some γ ≥ 1 beats 1."""
+    _check_gamma("gamma_max", gamma_max)
+    if verify_cost is not None:
+        _check_verify_cost(verify_cost, gamma_max)
+    best, best_speedup = 0, 1.0
+    for gamma in range(1, gamma_max + 1):
+        speedup = expected_speedup(alpha, gamma, c, verify_cost)
+        if speedup > best_speedup * (1 + _TIE):
+            best, best_speedup = gamma, speedup
+    return best
+
+
+@dataclass
+class _RequestState:
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    plain_streak: int = 0  # consecutive observed rounds with γ = 0
+
+
+class GammaPolicy:
+    """Adaptive γ per request from running acceptance and cost estimates. State is explicit and picklable.
+
+    Acceptance. Each observed round (γ drafted, a accepted) is a truncated geometric sample: a < γ tells a + 1
+    Bernoulli trials with a successes, a = γ tells γ successes and no failure. Counts are exponentially
+    weighted per round (`decay` for a request, `arm_decay` for an arm), so estimates follow a shift within
+    about 20 rounds. The arm estimate starts from `prior_alpha` with `prior_weight` pseudo-trials; a request's
+    estimate starts from its arm's with `request_weight` pseudo-trials, so a new request borrows the arm's α.
+
+    Costs. `observe_costs` feeds measured seconds: one drafter step, and scoring n tokens, at a batch size.
+    c(B) = draft step / target time for 1 token; v(γ)(B) = time for γ+1 tokens / time for 1 token, linear in
+    n between measured token counts (extrapolated from the last two), made non-decreasing, and interpolated
+    linearly between measured batch sizes. Before anything is measured: v ≡ 1 and c = `draft_cost`.
+
+    Choice. γ = best_gamma(α, c, gamma_max, v), and 0 whenever α ≤ c. Exploration: a request that has been
+    observed for `probe_interval` consecutive plain rounds (report them with gamma=0) is given γ = 1 once,
+    so a workload whose acceptance recovered is noticed; `probe_interval=None` turns this off. `gamma_min`
+    is a floor on every choice (set it ≥ 1 to always speculate). `fixed_gamma` returns one γ always.
+    """
+
+    def __init__(
+        self,
+        gamma_max: int = 8,
+        gamma_min: int = 0,
+        prior_alpha: float = 0.6,
+        prior_weight: float = 4.0,
+        request_weight: float = 4.0,
+        decay: float = 0.8,
+        arm_decay: float = 0.9,
+        draft_cost: float = 0.1,
+        cost_decay: float = 0.8,
+        probe_interval: int | None = 32,
+        fixed_gamma: int | None = None,
+    ) -> None:
+        _check_gamma("gamma_max", gamma_max)
+        _check_gamma("gamma_min", gamma_min)
+        if gamma_min > gamma_max:
+            raise ValueError(f"gamma_min ({gamma_min}) must be ≤ gamma_max ({gamma_max})")
+        if not 0.0 <= prior_alpha <= 1.0:
+            raise ValueError(f"prior_alpha must lie in [0, 1], got {prior_alpha}")
+        for name, weight in (("prior_weight", prior_weight), ("request_weight", request_weight)):
+            if not (math.isfinite(weight) and weight > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {weight}")
+        for name, rate in (("decay", decay), ("arm_decay", arm_decay), ("cost_decay", cost_decay)):
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"{name} must lie in [0, 1), got {rate}")
+        if not (math.isfinite(draft_cost) and draft_cost >= 0):
+            raise ValueError(f"draft_cost must be finite and ≥ 0, got {draft_cost}")
+        if probe_interval is not None and (not isinstance(probe_interval, int) or probe_interval < 1):
+            raise ValueError(f"probe_interval must be an int ≥ 1 or None, got {probe_interval!r}")
+        if fixed_gamma is not None:
+            _check_gamma("fixed_gamma", fixed_gamma)
+        self.gamma_max = gamma_max
+        self.gamma_min = gamma_min
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
+        self.request_weight = request_weight
+        self.decay = decay
+        self.arm_decay = arm_decay
+        self.probe_interval = probe_interval
+        self.fixed_gamma = fixed_gamma
+        self.costs = CostModel(default_draft_cost=draft_cost, decay=cost_decay)
+        self._arms: dict[str, Acceptance] = {}
+        self._requests: dict[str, _RequestState] = {}
+
+    @classmethod
+    def fixed(cls, gamma: int) -> GammaPolicy:
+        """A policy that always returns `gamma` (benchmarks: the best fixed γ vs adaptive)."""
+        return cls(gamma_max=max(gamma, 0), fixed_gamma=gamma)
+
+    def observe(self, request_id: str, arm: str, gamma: int, accepted: int) -> None:
+        """Record one round of one request: `gamma` tokens drafted, `accepted` of them kept (γ = 0: plain)."""
+        _check_gamma("gamma", gamma)
+        if isinstance(accepted, bool) or not isinstance(accepted, int) or not 0 <= accepted <= gamma:
+            raise ValueError(f"accepted must be an int in [0, gamma={gamma}], got {accepted!r}")
+        state = self._requests.setdefault(request_id, _RequestState())
+        if gamma == 0:
+            state.plain_streak += 1
+            return
+        state.plain_streak = 0
+        state.acceptance.update(gamma, accepted, self.decay)
+        self._arms.setdefault(arm, Acceptance()).update(gamma, accepted, self.arm_decay)
+
+    def observe_costs(
+        self,
+        batch_size: int,
+        draft_step_s: float | None = None,
+        score_s_by_tokens: Mapping[int, float] | None = None,
+    ) -> None:
+        """Record measured seconds at a batch size: one drafter step, and target scoring of n tokens per row."""
+        self.costs.observe(batch_size, draft_step_s, score_s_by_tokens)
+
+    def alpha(self, request_id: str | None, arm: str) -> float:
+        """Acceptance estimate of a request on an arm (the arm's alone when request_id is None or unseen)."""
+        arm_counts = self._arms.get(arm)
+        arm_alpha = self.prior_alpha if arm_counts is None else arm_counts.estimate(self.prior_alpha, self.prior_weight)
+        state = self._requests.get(request_id) if request_id is not None else None
+        if state is None:
+            return arm_alpha
+        return state.acceptance.estimate(arm_alpha, self.request_weight)
+
+    def verify_cost(self, batch_size: int) -> list[float]:
+        """v(γ) for γ = 0..gamma_max at this batch size (v(0) = 1)."""
+        return self.costs.verify_cost(batch_size, self.gamma_max)
+
+    def draft_cost(self, batch_size: int) -> float:
+        """c: one drafter step relative to one target step at this batch size."""
+        return self.costs.draft_cost(batch_size)
+
+    def choose(self, request_id: str, arm: str, batch_size: int) -> int:
+        """γ for the next round of this request, given how many rows the round will batch."""
+        if self.fixed_gamma is not None:
+            return self.fixed_gamma
+        alpha = self.alpha(request_id, arm)
+        c = self.draft_cost(batch_size)
+        gamma = 0 if alpha <= c else best_gamma(alpha, c, self.gamma_max, self.verify_cost(batch_size))
+        state = self._requests.get(request_id)
+        if gamma == 0 and state is not None and self.probe_interval is not None:
+            if state.plain_streak >= self.probe_interval and self.gamma_max >= 1:
+                gamma = 1
+        return max(gamma, self.gamma_min)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's state (its arm keeps what it learned)."""
+        self._requests.pop(request_id, None)
+
+    def summary(self) -> dict:
+        """Plain-dict view for telemetry: α per arm, tracked requests, measured costs."""
+        return {
+            "arms": {arm: self.alpha(None, arm) for arm in self._arms},
+            "requests": len(self._requests),
+            "costs": self.costs.summary(),
+            "fixed_gamma": self.fixed_gamma,
+        }
+
+
+def _check_alpha(alpha: float) -> None:
+    if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha!r}")
+
+
+def _check_gamma(name: str, gamma: int) -> None:
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"{name} must be an int ≥ 0, got {gamma!r}")
+
+
+def _check_verify_cost(verify_cost: Sequence[float], gamma: int) -> Sequence[float]:
+    if len(verify_cost) <= gamma:
+        raise ValueError(f"verify_cost needs an entry for every γ up to {gamma}, got {len(verify_cost)}")
+    if not all(math.isfinite(v) and v > 0 for v in verify_cost[: gamma + 1]):
+        raise ValueError("verify_cost entries must be finite and > 0")
+    return verify_cost
