@@ -102,7 +102,8 @@ def test_engine_greedy_equals_transformers_generate(tiny_llama_dir):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     model, tokenizer = load_model(tiny_llama_dir)
     prompt = tokenizer("The capital of France is")["input_ids"]
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None)
+    ids = torch.tensor([prompt])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, eos_token_id=None)
     ref = ref[0, len(prompt) :].tolist()
     engine = Engine(model, max_slots=1)
     out, feed = [], prompt
