@@ -141,7 +141,7 @@ def verify_sampled(
     residual = (p_last - q_last).clamp(min=0)  # [B, V]
     use_residual = rejected & (residual.sum(dim=1) > 0)  # [B]
     dist = torch.where(use_residual[:, None], residual, p_last)  # [B, V]
-    u_last = uniforms.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    u_last = uniforms.gather(1, lens[:, None]).squeeze(1)  # [B], independent of the acceptance draws
     last = _sample_inverse_cdf(dist, u_last)  # [B]
     return Verdict(tokens=assemble_tokens(draft_ids, num_accepted, last), num_accepted=num_accepted)
 

@@ -54,8 +54,8 @@ def compact_scores(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Targ
     `draft_ids` [B, K] long, padded with PAD_TOKEN_ID; `target_logits` [B, K+1, V] float.
     Raises ValueError on mismatched shapes, ids ≥ V, or NaN / +inf logits.
     """
-    if not isinstance(draft_ids, torch.Tensor) or draft_ids.dim() != 2:
-        raise ValueError("draft_ids must be a 2-D tensor [B, K]")
+    if not isinstance(draft_ids, torch.Tensor) or draft_ids.dim() != 2 or draft_ids.dtype != torch.long:
+        raise ValueError("draft_ids must be a 2-D torch.long tensor [B, K]")
     if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3:
         raise ValueError("target_logits must be a 3-D tensor [B, K+1, V]")
     batch, k = draft_ids.shape
