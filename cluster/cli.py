@@ -1,0 +1,296 @@
+"""`specserve`: serve a config, generate once in-process, inspect a running cluster, A/B reports, k8s, benches.
+
+    specserve serve CONFIG [--host 127.0.0.1] [--port 8000]
+    specserve generate CONFIG --prompt TEXT [--chat] [--max-tokens N] [--arm NAME] [--no-speculation] [--json]
+    specserve status
+    specserve ab report ...            (cluster.report)
+    specserve render-k8s CONFIG [--image IMAGE] [--out PATH]
+    specserve bench ...                (cluster.bench.run)
+
+Ray 2.60 turns token authentication on for a local cluster it starts and writes the token to
+~/.ray/auth_token; `serve` and `status` work with it as is (set RAY_AUTH_MODE=disabled to opt out, loopback
+only). The CLI prints; the library modules it calls only log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import uuid
+from typing import Any
+
+logger = logging.getLogger("specserve")
+
+
+# --------------------------------------------------------------------------------------------- serve
+
+
+def _start_ray() -> bool:
+    """Connect to the running Ray cluster (RAY_ADDRESS or a local `ray start`), else start one here.
+    True when this process started it (and so must stop it)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address="auto", logging_level=logging.WARNING)
+        return False
+    except ConnectionError:
+        pass
+    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level=logging.WARNING)
+    return True
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import dump_config, load_config
+
+    config = load_config(args.config)
+    host = args.host or config.serving.host
+    port = args.port or config.serving.port
+    started_ray = _start_ray()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port, "request_timeout_s": config.serving.request_timeout_s})
+        serve.run(build_app({"config": dump_config(config)}), name=config.name, route_prefix="/")
+        url = f"http://{host}:{port}/v1"
+        print(f"specserve: {config.target.served_name} ({config.name}) is serving at {url}", flush=True)
+        print(f"  try: curl {url}/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{config.target.served_name}\", \"prompt\": \"def fib(n):\", \"max_tokens\": 32}}'",
+              flush=True)
+        print("  Ctrl-C stops it.", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("specserve: stopping", flush=True)
+    finally:
+        serve.shutdown()
+        _kill_app_actors(config.name)
+        if started_ray:
+            ray.shutdown()
+    return 0
+
+
+def _kill_app_actors(app_name: str) -> None:
+    """The detached per-app actors (policy, telemetry hub) outlive Serve; stop them with the app."""
+    import ray
+
+    from cluster.decoder import policy_actor_name
+
+    try:
+        from cluster.telemetry import kill_hub
+
+        kill_hub(app_name)
+    except Exception:
+        logger.debug("no telemetry hub to stop", exc_info=True)
+    try:
+        ray.kill(ray.get_actor(policy_actor_name(app_name), namespace="specserve"))
+    except ValueError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------- generate
+
+
+def generate_once(config, prompt: str, *, chat: bool = False, max_tokens: int | None = None,
+                  arm: str | None = None, speculate: bool = True, on_text=None) -> dict[str, Any]:
+    """One request decoded in-process (no Ray): the unit is built locally with a local `PolicyCore`.
+
+    Returns `{"text", "token_ids", "finish_reason", "usage": {prompt_tokens, completion_tokens, total_tokens,
+    speculative}}`; `on_text(delta)` receives text as it is decoded.
+    """
+    from actors.coordinator import SamplingParams
+    from actors.loading import load_tokenizer
+    from actors.policy_actor import PolicyCore
+    from actors.unit import build_unit
+    from cluster.ab import ArmRouter
+    from cluster.decoder import DecodeJob, Finished, decode_events, policy_kwargs, unit_kwargs
+    from cluster.protocol import resolve_max_tokens, usage_body
+
+    tokenizer = load_tokenizer(config.target.source)
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        prompt_ids = list(tokenizer.encode(prompt))
+    coordinator = build_unit(unit="cli", policy=PolicyCore(**policy_kwargs(config)), observer=None, on_ray=False,
+                             **unit_kwargs(config))
+    max_seq_len = config.target.max_seq_len or coordinator.max_seq_len
+    serving = config.serving
+    tokens = resolve_max_tokens(max_tokens, prompt_len=len(prompt_ids), default=serving.default_max_tokens,
+                                limit=serving.max_tokens_limit, max_seq_len=max_seq_len)
+    chosen = ArmRouter(config.arms).assign(None, arm) if arm else config.arms[0]
+    job = DecodeJob(f"cli-{uuid.uuid4().hex[:12]}", tuple(prompt_ids), SamplingParams(max_tokens=tokens),
+                    chosen.to_arm_spec(), speculate=speculate)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+
+    async def run() -> dict[str, Any]:
+        parts: list[str] = []
+        finished = None
+        try:
+            async for event in decode_events(coordinator, job, decode, "cli"):
+                delta = event.text
+                if delta:
+                    parts.append(delta)
+                    if on_text is not None:
+                        on_text(delta)
+                if isinstance(event, Finished):
+                    finished = event
+        finally:
+            await coordinator.close()
+        return {
+            "text": "".join(parts),
+            "token_ids": list(finished.token_ids),
+            "finish_reason": finished.finish_reason,
+            "usage": usage_body(len(prompt_ids), len(finished.token_ids), finished.speculative),
+        }
+
+    return asyncio.run(run())
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.config import load_config
+
+    config = load_config(args.config)
+    stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
+    result = generate_once(config, args.prompt, chat=args.chat, max_tokens=args.max_tokens, arm=args.arm,
+                           speculate=not args.no_speculation, on_text=stream)
+    if args.json:
+        print(json.dumps({k: result[k] for k in ("text", "token_ids", "usage")}))
+    else:
+        spec = result["usage"].get("speculative") or {}
+        print()
+        print(f"[{result['usage']['completion_tokens']} tokens, finish={result['finish_reason']}, "
+              f"arm={spec.get('arm')}, acceptance={spec.get('acceptance_rate', 0):.2f}, "
+              f"mean accepted={spec.get('mean_accepted_length', 0):.2f}]", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- status
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import ray
+
+    try:
+        ray.init(address=args.address or "auto", logging_level=logging.ERROR, log_to_driver=False)
+    except ConnectionError:
+        print("Ray: not running (start one with `specserve serve CONFIG`)")
+        return 1
+    from ray import serve
+
+    resources = ray.cluster_resources()
+    print(f"Ray: up, {len(ray.nodes())} node(s), CPU {resources.get('CPU', 0):g}, GPU {resources.get('GPU', 0):g}")
+    try:
+        status = serve.status()
+    except Exception as err:  # Serve not started on this cluster
+        print(f"Serve: not running ({type(err).__name__})")
+        return 0
+    if not status.applications:
+        print("Serve: running, no applications")
+    for name, app in status.applications.items():
+        print(f"app {name}: {app.status}")
+        for dep_name, dep in app.deployments.items():
+            replicas = ", ".join(f"{state}={n}" for state, n in sorted(dep.replica_states.items())) or "none"
+            print(f"  {dep_name}: {dep.status} (replicas: {replicas})")
+    ray.shutdown()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- delegates
+
+
+def cmd_render_k8s(args: argparse.Namespace) -> int:
+    from cluster.k8s import render_to_file
+
+    out = render_to_file(args.config, image=args.image, out=args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    import importlib
+
+    code = importlib.import_module(module).main(argv)
+    return int(code or 0)
+
+
+# --------------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="deploy a config on Ray Serve and block until Ctrl-C")
+    serve.add_argument("config", help="YAML config (e.g. configs/local.yaml)")
+    serve.add_argument("--host", default=None, help="bind address (default: serving.host of the config)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (default: serving.port of the config)")
+    serve.set_defaults(handler=cmd_serve)
+
+    gen = commands.add_parser("generate", help="decode one prompt in-process (no Ray)")
+    gen.add_argument("config")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--arm", default=None, help="arm name (default: the first arm)")
+    gen.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
+    gen.add_argument("--json", action="store_true", help='print one JSON line {"text", "token_ids", "usage"}')
+    gen.set_defaults(handler=cmd_generate)
+
+    status = commands.add_parser("status", help="is Ray up; Serve apps, deployments and replicas")
+    status.add_argument("--address", default=None, help="Ray address (default: auto)")
+    status.set_defaults(handler=cmd_status)
+
+    ab = commands.add_parser("ab", help="A/B experiments")
+    ab_commands = ab.add_subparsers(dest="ab_command", required=True)
+    report = ab_commands.add_parser("report", help="per-arm report with bootstrap CIs", add_help=False)
+    report.add_argument("rest", nargs=argparse.REMAINDER)
+    report.set_defaults(handler=lambda a: _delegate("cluster.report", a.rest))
+
+    k8s = commands.add_parser("render-k8s", help="render a KubeRay RayService manifest from a config")
+    k8s.add_argument("config")
+    k8s.add_argument("--image", default=None)
+    k8s.add_argument("--out", default=None)
+    k8s.set_defaults(handler=cmd_render_k8s)
+
+    bench = commands.add_parser("bench", help="benchmarks (cluster.bench.run)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=lambda a: _delegate("cluster.bench.run", a.rest))
+    return parser
+
+
+# Subcommands whose own parsers own every argument after them.
+DELEGATES = {("ab", "report"): "cluster.report", ("bench",): "cluster.bench.run"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for prefix, module in DELEGATES.items():
+        if tuple(argv[: len(prefix)]) == prefix:
+            return _delegate(module, argv[len(prefix) :])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError) as err:  # bad config or arguments: a message, not a traceback
+        print(f"specserve: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The `specserve` console script: argument parsing, delegation, render-k8s and in-process generate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from cluster.cli import build_parser, main
+
+
+def test_parser_knows_every_command():
+    parser = build_parser()
+    args = parser.parse_args(["serve", "configs/local.yaml", "--port", "9000"])
+    assert (args.command, args.config, args.host, args.port) == ("serve", "configs/local.yaml", None, 9000)
+    args = parser.parse_args(["generate", "c.yaml", "--prompt", "hi", "--chat", "--max-tokens", "5", "--arm", "asd",
+                              "--no-speculation", "--json"])
+    assert args.chat and args.no_speculation and args.json and args.max_tokens == 5 and args.arm == "asd"
+    assert parser.parse_args(["status"]).command == "status"
+    args = parser.parse_args(["render-k8s", "c.yaml", "--image", "img:1", "--out", "x.yaml"])
+    assert (args.image, args.out) == ("img:1", "x.yaml")
+
+
+def test_missing_config_is_an_error_not_a_traceback(capsys):
+    assert main(["generate", "does-not-exist.yaml", "--prompt", "hi"]) == 2
+    assert "does-not-exist.yaml" in capsys.readouterr().err
+
+
+def test_render_k8s_writes_a_rayservice(tmp_path, capsys):
+    out = tmp_path / "rs.yaml"
+    assert main(["render-k8s", "configs/local.yaml", "--image", "specserve:test", "--out", str(out)]) == 0
+    manifest = yaml.safe_load(out.read_text())
+    assert manifest["kind"] == "RayService"
+    assert "specserve:test" in out.read_text()
+    assert str(out) in capsys.readouterr().out
+
+
+def tiny_local_config(model_dir, tmp_path) -> str:
+    config = {
+        "name": "tiny-cli",
+        "target": {"source": str(model_dir), "served_name": "tiny", "max_seq_len": 256, "max_batch_size": 2},
+        "drafter": {"kind": "ngram"},
+        "arms": [{"name": "exact"}, {"name": "asd", "verification": "asd",
+                                     "asd": {"g": 2.0, "max_relaxed_per_block": 2, "budget": 8.0}}],
+        "serving": {"max_tokens_limit": 64, "default_max_tokens": 8},
+        "unit": {"torch_threads": 1},
+    }
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("extra", [[], ["--arm", "asd", "--chat"], ["--no-speculation"]])
+def test_generate_json_prints_one_line(tiny_llama_dir, tmp_path, capsys, extra):
+    config = tiny_local_config(tiny_llama_dir, tmp_path)
+    assert main(["generate", config, "--prompt", "a b c a b c", "--max-tokens", "6", "--json", *extra]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert set(result) == {"text", "token_ids", "usage"}
+    usage = result["usage"]
+    assert usage["completion_tokens"] == len(result["token_ids"]) <= 6
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    spec = usage["speculative"]
+    assert spec["arm"] == ("asd" if "asd" in extra else "exact")
+    if "--no-speculation" in extra:
+        assert spec["draft_tokens"] == 0 and spec["gamma_max"] == 0
+
+
+def test_generate_no_speculation_matches_speculation_greedy(tiny_llama_dir, tmp_path, capsys):
+    config = tiny_local_config(tiny_llama_dir, tmp_path)
+    outputs = []
+    for extra in ([], ["--no-speculation"]):
+        main(["generate", config, "--prompt", "x y x y x y", "--max-tokens", "8", "--json", *extra])
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outputs[0] == outputs[1]  # exact greedy speculation reproduces the target's greedy output
