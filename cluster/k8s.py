@@ -7,8 +7,8 @@ deploys `cluster.app:build_app` with the whole config inline, so k8s/ can never 
 - one **worker group** per kind of pod a unit needs: `target` pods hold one tensor-parallel group (their
   `nvidia.com/gpu` limit is the TP size) plus the unit's coordinator and a CPU drafter; a GPU drafter gets a
   `drafter` group of its own. A CPU config yields one CPU `unit` group (kind or minikube);
-- each group's replicas span the Serve autoscaling range (one pod per unit), and KubeRay's in-tree autoscaler
-  adds pods when Serve asks for a unit that cannot be placed.
+- each group's replicas span the Serve autoscaling range (one pod per unit, plus one for a rolling restart's
+  surge replica), and KubeRay's in-tree autoscaler adds pods when Serve asks for a unit that cannot be placed.
 
 `validate_rayservice(manifest)` checks a manifest against the KubeRay CRD's OpenAPI schema with jsonschema,
 plus the **strict** check `kubectl apply --validate=strict` makes: a field the schema does not declare is an
@@ -32,6 +32,12 @@ RAY_VERSION = "2.60.0"
 SPECSERVE_VERSION = "0.1.0"
 DEFAULT_IMAGES = {"cpu": f"specserve:{SPECSERVE_VERSION}-cpu", "gpu": f"specserve:{SPECSERVE_VERSION}-gpu"}
 APP_IMPORT_PATH = "cluster.app:build_app"
+# cluster.app's deployment names (a test keeps them equal): their rolling restarts surge by one replica, so a
+# changed serveConfigV2 (new arm weights) starts each replacement before its old replica stops. Serve rounds
+# any positive percentage up to one whole replica; worker groups allow one pod more than max_replicas for it.
+SERVE_DEPLOYMENTS = ("OpenAIIngress", "DecoderUnit")
+MAX_SURGE_PERCENT = 1
+SURGE_PODS = 1
 MODELS_DIR = "/models"  # absolute model sources must live here: the models volume is mounted at it
 MODELS_CLAIM = "specserve-models"
 DEFAULT_ACTOR_MEMORY_GB = 4.0  # host memory assumed for an actor whose resources.memory_gb is unset
@@ -104,6 +110,9 @@ def serve_config(cfg: SpecServeConfig) -> dict[str, Any]:
                 "import_path": APP_IMPORT_PATH,
                 "route_prefix": "/",
                 "args": {"config": dump_config(inline)},
+                "deployments": [
+                    {"name": name, "max_surge_percent": MAX_SURGE_PERCENT} for name in SERVE_DEPLOYMENTS
+                ],
             }
         ],
     }
@@ -221,7 +230,7 @@ def _worker_group(group: str, cfg: SpecServeConfig, image: str, labels: dict[str
         "groupName": group,
         "replicas": scaling.fixed_replicas,
         "minReplicas": low,
-        "maxReplicas": high,
+        "maxReplicas": high + SURGE_PODS,
         "rayStartParams": params,
         "template": {"metadata": {"labels": {**labels, "specserve/group": group}}, "spec": spec},
     }

@@ -14,6 +14,7 @@ from cluster.config import load_config, parse_config
 from cluster.k8s import (
     CRD_ENV,
     REPO_ROOT,
+    SERVE_DEPLOYMENTS,
     find_crd_dir,
     load_rayservice_schema,
     manifest_filename,
@@ -94,7 +95,8 @@ def test_gpu_manifest_shape():
     gpu_limit = {name: g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
                  for name, g in groups.items()}
     assert gpu_limit == {"target": 2, "drafter": 1}  # one TP = 2 unit per target pod
-    assert all((g["minReplicas"], g["maxReplicas"]) == (1, 4) for g in groups.values())
+    # one pod per unit over Serve's 1..4 units, plus one for a rolling restart's surge replica
+    assert all((g["minReplicas"], g["maxReplicas"]) == (1, 5) for g in groups.values())
 
 
 def test_cpu_manifest_shape():
@@ -103,7 +105,7 @@ def test_cpu_manifest_shape():
     pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
     assert all("nvidia.com/gpu" not in p["template"]["spec"]["containers"][0]["resources"]["limits"] for p in pods)
     (unit,) = cluster["workerGroupSpecs"]
-    assert (unit["minReplicas"], unit["maxReplicas"]) == (1, 2)
+    assert (unit["minReplicas"], unit["maxReplicas"]) == (1, 3)
     assert parse_config(serve_app(doc)["args"]["config"]).target.source == "embedded:smollm2"
 
 
@@ -183,3 +185,10 @@ def test_crd_dir_from_environment(monkeypatch, tmp_path):
     assert find_crd_dir() == tmp_path
     with pytest.raises(ValueError, match="crd_dir"):
         load_rayservice_schema(Path(tmp_path) / "missing")
+
+
+def test_surge_deployments_are_the_apps_deployments():
+    app = pytest.importorskip("cluster.app")
+    assert set(SERVE_DEPLOYMENTS) == {app.DECODER_DEPLOYMENT, app.INGRESS_DEPLOYMENT}
+    surge = serve_app(manifest("rayservice-cpu-local.yaml"))["deployments"]
+    assert {d["name"]: d["max_surge_percent"] for d in surge} == {name: 1 for name in SERVE_DEPLOYMENTS}
