@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from policies.estimators import Acceptance, CostModel
 
-_TIE = 1e-9  # relative margin: a γ must beat the incumbent by more than rounding to be chosen
+_TIE = 1e-9  # speculation must beat plain decoding (S = 1) by more than rounding: α = c is a tie, not a win
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -43,10 +43,10 @@ def best_gamma(alpha: float, c: float, gamma_max: int, verify_cost: Sequence[flo
     _check_gamma("gamma_max", gamma_max)
     if verify_cost is not None:
         _check_verify_cost(verify_cost, gamma_max)
-    best, best_speedup = 0, 1.0
+    best, best_speedup = 0, 1.0 + _TIE
     for gamma in range(1, gamma_max + 1):
         speedup = expected_speedup(alpha, gamma, c, verify_cost)
-        if speedup > best_speedup * (1 + _TIE):
+        if speedup > best_speedup:
             best, best_speedup = gamma, speedup
     return best
 
