@@ -58,6 +58,7 @@ HUB_NAMESPACE = "specserve"
 MAX_ROWS = 100_000
 MIXED_ARM = "mixed"
 NO_ARM = "none"
+FINISH_GRACE_S = 2.0  # a finished request's span tree waits this long at most for its last round record
 
 _SECONDS_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -388,7 +389,8 @@ class UnitObserver:
         self._remote = hasattr(getattr(hub, "record", None), "remote")
         self._lock = threading.Lock()
         self._buffer: list = []
-        self._finished: list[tuple] = []  # (RequestRecord, rounds, dropped) awaiting span emission
+        self._finishing: list[tuple] = []  # (RequestRecord, monotonic time) awaiting their last round record
+        self._finished: list[tuple] = []  # (RequestRecord, rounds, dropped) ready for span emission
         self._owns_provider = tracer_provider is None
         provider = None
         if self.settings.tracing != "off":
@@ -405,15 +407,31 @@ class UnitObserver:
 
     def on_round(self, record: RoundRecord) -> None:
         if self._tracer is not None:
-            self._tracer.add_round(record)
+            with self._lock:
+                self._tracer.add_round(record)
+                self._release_finishing(min_age_s=0.0)
         self._append(record)
 
     def on_request(self, record: RequestRecord) -> None:
         if self._tracer is not None:
-            rounds, dropped = self._tracer.pop(record.request_id)
             with self._lock:
-                self._finished.append((record, rounds, dropped))
+                self._finishing.append((record, time.monotonic()))
         self._append(record)
+
+    def _release_finishing(self, min_age_s: float) -> None:
+        """Queue for tracing the finished requests waiting at least `min_age_s` (caller holds the lock).
+
+        The loop reports a request when its last round commits, before that round's `RoundRecord`; so a
+        finished request waits for the next round record (or `FINISH_GRACE_S` when the unit goes idle).
+        """
+        now, waiting = time.monotonic(), []
+        for record, since in self._finishing:
+            if now - since >= min_age_s:
+                rounds, dropped = self._tracer.pop(record.request_id)
+                self._finished.append((record, rounds, dropped))
+            else:
+                waiting.append((record, since))
+        self._finishing = waiting
 
     def _append(self, record) -> None:
         with self._lock:
@@ -435,10 +453,13 @@ class UnitObserver:
         except Exception:  # telemetry must never break serving
             logger.exception("unit %s: dropped %d telemetry records", self.unit, len(batch))
 
-    def flush(self) -> None:
-        """Send buffered records and write the span trees of finished requests."""
+    def flush(self, grace_s: float = FINISH_GRACE_S) -> None:
+        """Send buffered records and write the span trees of finished requests whose last round has been
+        seen (or that finished more than `grace_s` ago)."""
         self._send()
         with self._lock:
+            if self._tracer is not None:
+                self._release_finishing(grace_s)
             finished, self._finished = self._finished, []
         for record, rounds, dropped in finished:
             try:
@@ -455,7 +476,7 @@ class UnitObserver:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.flush()
+        self.flush(grace_s=0.0)
         if self._provider is not None:
             self._provider.force_flush()
             if self._owns_provider:

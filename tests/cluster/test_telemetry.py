@@ -195,6 +195,75 @@ def test_request_span_tree():
     assert len(spans) == 1 + 2 * 4
 
 
+def test_last_round_reported_after_its_request():
+    # The loop reports a request when its last round commits, then that round's RoundRecord.
+    exporter = InMemorySpanExporter()
+    settings = TelemetrySettings(tracing="on")
+    observer = UnitObserver(TelemetryHub(TelemetrySettings(metrics=False)), "u0", settings,
+                            tracer_provider=make_tracer_provider(settings, exporter), flush_interval_s=None)
+    (first, last), request = rounds_and_request()
+    observer.on_round(first)
+    observer.on_request(request)
+    observer.flush()
+    assert exporter.get_finished_spans() == ()  # waits for the last round record
+    observer.on_round(last)
+    observer.flush()
+    assert sum(s.name == "specserve.round" for s in exporter.get_finished_spans()) == 2
+    observer.close()
+
+
+def test_real_loop_records():
+    """The coordinator's own records (tiny random model, n-gram drafter, one exact and one ASD request)."""
+    torch = pytest.importorskip("torch")
+    from actors.coordinator import ArmSpec, Coordinator, GenerationRequest, SamplingParams
+    from actors.drafters import NgramDrafter
+    from actors.engine import Engine
+    from actors.model import CausalLM, ModelArgs
+    from actors.policy_actor import PolicyCore
+    from policies.asd import ASDConfig
+
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                     num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=256)
+    model = CausalLM(args, 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16)).eval()
+    settings = TelemetrySettings(tracing="on")
+    exporter = InMemorySpanExporter()
+    hub = TelemetryHub(settings, arms=["exact", "asd"])
+    observer = UnitObserver(hub, "u0", settings, tracer_provider=make_tracer_provider(settings, exporter),
+                            flush_interval_s=None)
+    coordinator = Coordinator.local(Engine(model, max_slots=4, max_seq_len=256), NgramDrafter(), PolicyCore(),
+                                    unit="u0", observer=observer)
+    asd = ArmSpec("asd", "asd", ASDConfig(g=5.0, max_relaxed_per_block=2, budget=8.0))
+    prompt = [1, 2, 3, 4, 5] * 3
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    results = coordinator.generate_many_sync(
+        [GenerationRequest("e", prompt, params, ArmSpec("exact")), GenerationRequest("a", prompt, params, asd)]
+    )
+    observer.close()
+    records = {r.record.request_id: r.record for r in results}
+
+    spans = exporter.get_finished_spans()
+    roots = {s.context.span_id: s.attributes["specserve.request_id"] for s in spans
+             if s.name == "specserve.request"}
+    assert sorted(roots.values()) == ["a", "e"]
+    for request_id, record in records.items():
+        rounds = [s for s in spans if s.name == "specserve.round" and roots[s.parent.span_id] == request_id]
+        assert len(rounds) == record.rounds
+        assert sorted(s.attributes["specserve.gamma"] for s in rounds) == sorted(record.gammas)
+    parsed = samples(hub.prometheus_text())
+
+    def counter(name, **labels):  # a counter never added to is absent: 0
+        return parsed.get((name, frozenset(labels.items())), 0.0)
+
+    for arm, record in (("exact", records["e"]), ("asd", records["a"])):
+        labels = dict(arm=arm, unit="u0")
+        assert counter("vllm:spec_decode_num_accepted_tokens_total", **labels) == record.accepted_tokens
+        assert counter("vllm:spec_decode_num_draft_tokens_total", **labels) == record.draft_tokens
+        for k, kept in enumerate(record.accepted_per_position):
+            assert counter("vllm:spec_decode_num_accepted_tokens_per_pos_total", **labels, position=str(k)) == kept
+        assert counter("vllm:generation_tokens_total", **labels) == record.output_tokens
+
+
 def test_tracing_off_and_sampled():
     assert make_tracer_provider(TelemetrySettings(tracing="off")) is None
     assert traced(TelemetrySettings(tracing="off")) == ()
