@@ -30,24 +30,24 @@ def _run(total: int, parts: int, rank: int) -> tuple[int, int]:
     return lo, lo + sizes[rank]
 
 
-def validate_tp(args: ModelArgs, tp_rank: int, tp_size: int) -> None:
-    """ValueError unless (tp_rank, tp_size) can shard a model with `args` (global, unsharded)."""
+def validate_tp(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int = 0) -> None:
+    """ValueError unless (tp_rank, tp_size) can shard a model with these (global) head counts."""
     if tp_size < 1:
         raise ValueError(f"tp_size: must be >= 1, got {tp_size}")
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank: must be in [0, {tp_size}), got {tp_rank}")
-    if tp_size > args.num_kv_heads:
+    if tp_size > num_kv_heads:
         raise ValueError(
-            f"tp_size: {tp_size} ranks cannot split {args.num_kv_heads} key/value heads "
-            f"({args.num_heads} attention heads); use tp_size <= {args.num_kv_heads}"
+            f"tp_size: {tp_size} ranks cannot split {num_kv_heads} key/value heads "
+            f"({num_heads} attention heads); use tp_size <= {num_kv_heads}"
         )
-    if args.num_heads % args.num_kv_heads:
-        raise ValueError(f"args: {args.num_heads} attention heads are not a multiple of {args.num_kv_heads} kv heads")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads: {num_heads} attention heads are not a multiple of {num_kv_heads} kv heads")
 
 
 def shard_args(args: ModelArgs, tp_rank: int, tp_size: int) -> ModelArgs:
     """The ModelArgs of rank `tp_rank`'s shard."""
-    validate_tp(args, tp_rank, tp_size)
+    validate_tp(args.num_heads, args.num_kv_heads, tp_size, tp_rank)
     kv_lo, kv_hi = _run(args.num_kv_heads, tp_size, tp_rank)
     group = args.num_heads // args.num_kv_heads
     cols = split_sizes(args.intermediate_size, tp_size)[tp_rank]
@@ -56,7 +56,7 @@ def shard_args(args: ModelArgs, tp_rank: int, tp_size: int) -> ModelArgs:
 
 def shard_state_dict(state: dict[str, Tensor], args: ModelArgs, tp_rank: int, tp_size: int) -> dict[str, Tensor]:
     """Rank `tp_rank`'s slice of a CausalLM state dict (names without the `model.` prefix)."""
-    validate_tp(args, tp_rank, tp_size)
+    validate_tp(args.num_heads, args.num_kv_heads, tp_size, tp_rank)
     if tp_size == 1:
         return dict(state)
     d = args.head_dim
