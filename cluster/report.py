@@ -225,6 +225,8 @@ def _triple(summary: dict, scale: float = 1.0, digits: int = 1) -> str:
 
 def render_text(report: dict) -> str:
     """The human-readable report."""
+    if not report["arms"]:
+        return "specserve A/B report: the export holds no requests yet\n"
     lines = [
         f"specserve A/B report: service {report['service']}, reference arm {report['reference']}",
         "tokens/s, TTFT and TPOT as mean/p50/p95 per request; TTFT and TPOT in ms",

@@ -123,6 +123,7 @@ def test_reference_override_and_errors(export, tmp_path, capsys):
 def test_empty_export():
     report = build_report({"requests": [], "audits": []})
     assert report["arms"] == {} and report["differences"] == {} and report["reference"] is None
+    assert "no requests" in render_text(report)
 
 
 def test_add_parser_hook(export, tmp_path, capsys):
