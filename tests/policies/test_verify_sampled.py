@@ -189,3 +189,20 @@ def test_rows_without_a_block_draw_only_their_final_token():
 def test_sampled_bad_input(target, draft_probs, argument):
     with pytest.raises(ValueError, match=argument):
         verify_sampled(torch.tensor([[1, 2]]), draft_probs, target)
+
+
+def test_top_k_keeps_ties_with_the_kth_value():
+    probs = process_logits(torch.tensor([[3.0, 1.0, 1.0, 0.0]]), 1.0, top_k=2)
+    assert (probs > 0).tolist() == [[True, True, True, False]]
+
+
+def test_temperature_zero_sampling_is_greedy(make_logits):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 4, 12, generator=gen)  # [B, K+1, V]
+    draft = torch.where(torch.rand(16, 3, generator=gen) < 0.7, logits[:, :3].argmax(-1), 5)
+    p = process_logits(logits, 0.0)
+    sampled = verify_sampled(draft, None, p, generator=gen)
+    from policies.exact import verify_greedy
+
+    greedy = verify_greedy(draft, logits)
+    assert torch.equal(sampled.tokens, greedy.tokens)
