@@ -267,6 +267,7 @@ class Coordinator:
                 await self._admit()
                 if self._active:
                     await self._round()
+                await asyncio.sleep(0)  # local backends never suspend: let consumers and aborts run
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a failed part of the unit fails its in-flight requests, never hangs them
@@ -381,14 +382,14 @@ class Coordinator:
         else:
             self._pending_settle = (survivors, self.policy.settle(None, report, survivors, len(rows)))
         verify_s = time.perf_counter() - t_verify
-        records = []
+        records = tuple(RowRecord(s.rid, s.request.arm.name, lens[b], accepted[b], relaxed.get(b, 0),
+                                  regret.get(b, 0.0)) for b, s in enumerate(rows))
+        # the round is reported before its requests finish, so a request's last round precedes its record
+        self.observer.on_round(RoundRecord(self.unit, len(rows), started, draft_s, score_s, verify_s,
+                                           time.perf_counter() - t0, records))
         for b, seq in enumerate(rows):
             seq.relaxed += relaxed.get(b, 0)
-            records.append(RowRecord(seq.rid, seq.request.arm.name, lens[b], accepted[b], relaxed.get(b, 0),
-                                     regret.get(b, 0.0)))
             await self._commit(seq, emitted[b], accepted=accepted[b], drafted=lens[b])
-        self.observer.on_round(RoundRecord(self.unit, len(rows), started, draft_s, score_s, verify_s,
-                                           time.perf_counter() - t0, tuple(records)))
 
     async def _settle_asd(self, rows, asd_rows, batch, result, report, survivors):
         """ASD rows are charged in the policy actor; one call per arm present (usually one)."""

@@ -83,14 +83,19 @@ def _pack(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ngram_lookup(context: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens following the most recent earlier occurrence of the longest matching suffix n-gram."""
+    """Up to k tokens following an earlier occurrence of the longest suffix n-gram (n_min ≤ n ≤ n_max).
+
+    Among occurrences, the most recent one with k tokens after it (locality: the copy being edited), else
+    the earliest (the longest continuation, e.g. inside a repeating loop).
+    """
     length = len(context)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
         suffix = context[length - n :]
         windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)  # [L-n, n]
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if full.size else hits[0]) + n
             return context[start : start + k].tolist()
     return []
 

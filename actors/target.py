@@ -66,6 +66,11 @@ class TargetStep:
             self._generators[seq_id] = gen
         return self._generators[seq_id]
 
+    def _generators_for(self, seq_id: str, spec: SamplingSpec) -> list[torch.Generator] | None:
+        # a list of one: the row draws exactly K_b + 1 uniforms, whatever the batch's widest block
+        gen = self._generator(seq_id, spec)
+        return None if gen is None else [gen]
+
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
 
@@ -84,7 +89,7 @@ class TargetStep:
             p = process_logits(rows[b : b + 1], spec.temperature, spec.top_k, spec.top_p)  # [1, Kmax+1, V]
             q = None if batch.draft_probs is None else batch.draft_probs[b : b + 1]  # [1, Kmax, V]
             verdict = verify_sampled(
-                batch.draft_ids[b : b + 1], q, p, generator=self._generator(batch.seq_ids[b], spec),
+                batch.draft_ids[b : b + 1], q, p, generator=self._generators_for(batch.seq_ids[b], spec),
                 draft_lens=batch.draft_lens[b : b + 1],
             )
             n = int(verdict.num_accepted[0])

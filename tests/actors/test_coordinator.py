@@ -1,0 +1,189 @@
+"""The speculative loop in-process: greedy identity, ASD, seeded sampling, distribution, cleanup."""
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.coordinator import ArmSpec, Coordinator, GenerationRequest, SamplingParams
+from actors.drafters import ModelDrafter, NgramDrafter
+from actors.engine import Engine
+from actors.loading import load_model
+from actors.policy_actor import PolicyCore
+from policies.asd import ASDConfig
+
+sys.path.append(str(Path(__file__).parents[1]))
+from conftest import save_tiny_llama  # noqa: E402
+
+# Repetitive prompts so that prompt lookup finds drafts and some of them are accepted.
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [100, 200, 300, 100, 200],
+    [9, 9, 9, 9, 9, 9],
+    [1000, 2000, 3000, 4000, 1000, 2000, 3000],
+    [42, 43, 44, 45, 46, 47, 42, 43],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_pair):
+    torch.set_num_threads(1)
+    target, drafter = tiny_llama_pair
+    return load_model(target)[0], load_model(drafter)[0]
+
+
+def unit(model, drafter=None, fixed=None, **kw):
+    return Coordinator.local(Engine(model, max_slots=16, max_seq_len=256), drafter,
+                             PolicyCore(gamma_max=6, fixed_gamma=fixed), **kw)
+
+
+def greedy(rid, prompt, n=24, **kw):
+    return GenerationRequest(rid, prompt, SamplingParams(max_tokens=n), **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Target-only greedy outputs (γ = 0 every round)."""
+    coord = unit(tiny[0], NgramDrafter(1, 3))
+    return [coord.generate_sync(greedy(f"ref{i}", p, speculate=False)).token_ids for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("fixed", [None, 1, 4])
+def test_ngram_greedy_identical_to_target_only(tiny, reference, fixed):
+    coord = unit(tiny[0], NgramDrafter(1, 3), fixed=fixed)
+    outs = coord.generate_many_sync([greedy(f"r{i}", p) for i, p in enumerate(PROMPTS)])
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.record.draft_tokens for o in outs) > 0  # speculation actually happened
+    assert coord.target.active_ids() == [] and coord.policy.open_ledgers() == []
+
+
+def test_model_drafter_greedy_identical_to_target_only(tiny, reference):
+    drafter = ModelDrafter(Engine(tiny[1], max_slots=16, max_seq_len=256))
+    coord = unit(tiny[0], drafter, fixed=3)
+    outs = [coord.generate_sync(greedy(f"m{i}", p)) for i, p in enumerate(PROMPTS)]
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.record.draft_tokens > 0 for o in outs)
+    assert drafter.active_ids() == []
+
+
+def test_asd_budget_zero_is_exact_and_budget_is_respected(tiny, reference):
+    zero = ArmSpec("asd0", "asd", ASDConfig(g=5.0, max_relaxed_per_block=3, budget=0.0))
+    coord = unit(tiny[0], NgramDrafter(1, 3), fixed=4)
+    outs = coord.generate_many_sync([greedy(f"z{i}", p, arm=zero) for i, p in enumerate(PROMPTS)])
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.record.speculative_usage()["regret_spent"] == 0.0 for o in outs)
+
+    # the tiny target loops on one token, so n-gram drafts are all exact: use the other tiny model as drafter
+    loose = ArmSpec("asd", "asd", ASDConfig(g=50.0, max_relaxed_per_block=4, budget=3.0))
+    coord = unit(tiny[0], ModelDrafter(Engine(tiny[1], max_slots=16, max_seq_len=256)), fixed=4)
+    outs = coord.generate_many_sync([greedy(f"a{i}", p, arm=loose) for i, p in enumerate(PROMPTS)])
+    usage = [o.record.speculative_usage() for o in outs]
+    assert all(u["regret_spent"] <= 3.0 + 1e-6 and u["regret_budget"] == 3.0 for u in usage)
+    assert sum(u["relaxed_tokens"] for u in usage) > 0  # a random tiny model disagrees with prompt lookup often
+    assert coord.policy.open_ledgers() == []
+
+
+def test_seeded_sampling_reproduces_alone_and_in_a_batch(tiny):
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, seed=11)
+    alone = unit(tiny[0], NgramDrafter(1, 3)).generate_sync(GenerationRequest("s", PROMPTS[0], params))
+    others = [GenerationRequest(f"o{i}", p, SamplingParams(max_tokens=20, temperature=1.0, seed=i))
+              for i, p in enumerate(PROMPTS[1:])]
+    batched = unit(tiny[0], NgramDrafter(1, 3)).generate_many_sync([GenerationRequest("s", PROMPTS[0], params)] + others)
+    assert batched[0].token_ids == alone.token_ids
+
+
+def test_sampled_speculation_follows_the_target_distribution(tmp_path_factory, smollm2_tokenizer):
+    """Joint law of the first two tokens under speculative sampling with a model drafter (q ≠ p) equals the
+    target's p(t1)·p(t2 | t1). Vocabulary 8, 4000 seeded requests, chi-square over cells with expected ≥ 5.
+    The statistic is deterministic at these fixed seeds; the bound p > 1e-4 leaves a wide margin, and a biased
+    sampler (e.g. accepting drafts without the min(1, p/q) test) fails it by orders of magnitude."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    vocab = 8
+    tgt_dir = save_tiny_llama(tmp_path_factory.mktemp("v8t"), smollm2_tokenizer, seed=3, vocab_size=vocab,
+                              bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    drf_dir = save_tiny_llama(tmp_path_factory.mktemp("v8d"), smollm2_tokenizer, seed=4, vocab_size=vocab,
+                              bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    target, drafter = load_model(tgt_dir)[0], load_model(drf_dir)[0]
+    prompt = [1, 2, 3, 4]
+    temperature = 2.0  # flatten the random model's distribution so every cell is populated
+    p1 = _next_probs(target, prompt, temperature)  # [V]
+    p12 = torch.stack([p1[t1] * _next_probs(target, prompt + [t1], temperature) for t1 in range(vocab)])  # [V, V]
+    n = 4000
+    coord = Coordinator.local(Engine(target, max_slots=64, max_seq_len=32),
+                              ModelDrafter(Engine(drafter, max_slots=64, max_seq_len=32)),
+                              PolicyCore(gamma_max=3, fixed_gamma=3), max_batch_size=64)
+    reqs = [GenerationRequest(f"d{i}", prompt, SamplingParams(max_tokens=4, temperature=temperature, seed=i),
+                              speculate=True) for i in range(n)]
+    outs = coord.generate_many_sync(reqs)
+    counts = torch.zeros(vocab, vocab)
+    for o in outs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+    expected = (p12 * n).flatten()
+    observed = counts.flatten()
+    big = expected >= 5
+    chi2 = float((((observed - expected) ** 2) / expected)[big].sum())
+    dof = int(big.sum()) - 1
+    assert scipy_stats.chi2.sf(chi2, dof) > 1e-4, (chi2, dof)
+    assert sum(o.record.accepted_tokens for o in outs) > 0
+
+
+def _next_probs(model, context, temperature):
+    e = Engine(model, max_slots=1, max_seq_len=32)
+    return torch.softmax(e.forward(["x"], [context])[0, -1] / temperature, -1)
+
+
+def test_cancelled_stream_frees_caches_and_ledger(tiny):
+    coord = unit(tiny[0], NgramDrafter(1, 3), fixed=2)
+    arm = ArmSpec("asd", "asd", ASDConfig(g=2.0, max_relaxed_per_block=1, budget=1.0))
+
+    async def scenario():
+        stream = coord.generate(greedy("c", PROMPTS[0], n=200, arm=arm))
+        first = await stream.__anext__()
+        assert first.token_ids
+        await stream.aclose()  # the client went away
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not coord.active_requests():
+                break
+        state = (coord.active_requests(), coord.target.active_ids(), coord.policy.open_ledgers())
+        await coord.stop()
+        return state
+
+    assert asyncio.run(scenario()) == ([], [], [])
+
+
+def test_abort_returns_after_cleanup(tiny):
+    coord = unit(tiny[0], NgramDrafter(1, 3))
+
+    async def scenario():
+        chunks = []
+
+        async def consume():
+            async for c in coord.generate(greedy("a", PROMPTS[1], n=200)):
+                chunks.append(c)
+
+        task = asyncio.create_task(consume())
+        while not chunks:
+            await asyncio.sleep(0.005)
+        await coord.abort("a")
+        await task
+        await coord.stop()
+        return chunks[-1].finish_reason, coord.target.active_ids()
+
+    assert asyncio.run(scenario()) == ("abort", [])
+
+
+def test_bad_requests_raise_value_errors(tiny):
+    coord = unit(tiny[0], NgramDrafter(1, 3))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(max_tokens=1, top_p=1.5)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        coord.generate_sync(greedy("e", []))
+    with pytest.raises(ValueError, match="prompt_ids"):
+        coord.generate_sync(greedy("e", [10**9]))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        coord.generate_sync(greedy("e", [1] * 300))
