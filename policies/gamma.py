@@ -75,6 +75,12 @@ class GammaPolicy:
     observed for `probe_interval` consecutive plain rounds (report them with gamma=0) is given γ = 1 once,
     so a workload whose acceptance recovered is noticed; `probe_interval=None` turns this off. `gamma_min`
     is a floor on every choice (set it ≥ 1 to always speculate). `fixed_gamma` returns one γ always.
+
+    Parameters: `gamma_max` the largest γ; `prior_alpha`, `prior_weight` the cold-start α of an arm and its
+    weight in pseudo-trials; `request_weight` the arm estimate's weight in a request's estimate; `decay`
+    (per round of the request) and `arm_decay` (per observed row-round of the arm: a round of B rows ages it
+    B times) the forgetting rates; `draft_cost` c before it is measured; `cost_decay` the forgetting rate of
+    the cost means (per sample); `probe_interval`, `gamma_min`, `fixed_gamma` as above.
     """
 
     def __init__(
@@ -83,9 +89,9 @@ class GammaPolicy:
         gamma_min: int = 0,
         prior_alpha: float = 0.6,
         prior_weight: float = 4.0,
-        request_weight: float = 4.0,
+        request_weight: float = 2.0,
         decay: float = 0.8,
-        arm_decay: float = 0.9,
+        arm_decay: float = 0.95,
         draft_cost: float = 0.1,
         cost_decay: float = 0.8,
         probe_interval: int | None = 32,

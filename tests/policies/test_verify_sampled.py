@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from policies import PAD_TOKEN_ID
-from policies.exact import process_logits, verify_sampled
+from policies.exact import process_logits, verify_greedy, verify_sampled
 
 N = 100_000
 P_VALUE_FLOOR = 1e-6
@@ -202,7 +202,5 @@ def test_temperature_zero_sampling_is_greedy(make_logits):
     draft = torch.where(torch.rand(16, 3, generator=gen) < 0.7, logits[:, :3].argmax(-1), 5)
     p = process_logits(logits, 0.0)
     sampled = verify_sampled(draft, None, p, generator=gen)
-    from policies.exact import verify_greedy
-
     greedy = verify_greedy(draft, logits)
     assert torch.equal(sampled.tokens, greedy.tokens)
