@@ -122,16 +122,15 @@ def _charge(
 ) -> None:
     """Write one block to every ledger whose row had a block, with an event per relaxed token."""
     events: dict[int, list[LedgerEvent]] = {}
-    rows, cols = relaxed.nonzero(as_tuple=True)
-    if rows.numel():
-        for b, i, x, y, r in zip(
-            rows.tolist(), cols.tolist(), draft_ids[rows, cols].tolist(),
-            target[rows, cols].tolist(), regret[rows, cols].tolist(),
-        ):
-            k_b = int(lens[b])
-            block = ledgers[b].blocks
-            events.setdefault(b, []).append(LedgerEvent(block, i, x, y, r, (k_b - i) / k_b))
-    for b, (ledger, k_b, spent) in enumerate(zip(ledgers, lens.tolist(), block_regret.tolist())):
+    lens_list = lens.tolist()
+    relaxed_at = relaxed.nonzero().tolist()  # [[b, i], ...], row-major: positions in order
+    if relaxed_at:
+        xs, ys, rs = draft_ids.tolist(), target.tolist(), regret.tolist()
+        for b, i in relaxed_at:
+            k_b = lens_list[b]
+            event = LedgerEvent(ledgers[b].blocks, i, xs[b][i], ys[b][i], rs[b][i], (k_b - i) / k_b)
+            events.setdefault(b, []).append(event)
+    for b, (ledger, k_b, spent) in enumerate(zip(ledgers, lens_list, block_regret.tolist())):
         if k_b > 0:
             ledger.charge_block(events.get(b, ()), spent)
 
