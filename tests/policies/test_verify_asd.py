@@ -184,3 +184,15 @@ def test_bad_ledger_budget(budget):
 
 def test_positional_config():
     assert ASDConfig(0.5, 2, 3.0) == ASDConfig(g=0.5, max_relaxed_per_block=2, budget=3.0)
+
+
+def test_ledger_pickles_and_events_are_frozen():
+    import dataclasses
+    import pickle
+
+    ledger = RegretLedger(2.0, "r")
+    run([1, 2, 3], [7, 2], {0: 0.5}, ASDConfig(10.0, 2, 2.0), ledger)
+    clone = pickle.loads(pickle.dumps(ledger))
+    assert clone.summary() == ledger.summary() and clone.events == ledger.events
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ledger.events[0].regret = 0.0

@@ -196,7 +196,7 @@ def test_top_k_keeps_ties_with_the_kth_value():
     assert (probs > 0).tolist() == [[True, True, True, False]]
 
 
-def test_temperature_zero_sampling_is_greedy(make_logits):
+def test_temperature_zero_sampling_is_greedy():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 4, 12, generator=gen)  # [B, K+1, V]
     draft = torch.where(torch.rand(16, 3, generator=gen) < 0.7, logits[:, :3].argmax(-1), 5)
@@ -204,3 +204,9 @@ def test_temperature_zero_sampling_is_greedy(make_logits):
     sampled = verify_sampled(draft, None, p, generator=gen)
     greedy = verify_greedy(draft, logits)
     assert torch.equal(sampled.tokens, greedy.tokens)
+
+
+def test_generator_list_must_have_one_per_row():
+    p = torch.full((2, 2, 4), 0.25)
+    with pytest.raises(ValueError, match="generator"):
+        verify_sampled(torch.tensor([[1], [2]]), None, p, [torch.Generator()])
