@@ -65,7 +65,7 @@ def rounds(draw):
     return batch, config, blocks
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(rounds())
 def test_asd_matches_reference_and_never_overspends(case):
     batch, config, blocks = case
