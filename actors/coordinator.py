@@ -162,6 +162,7 @@ class Coordinator:
         self.clock = clock
         self.drafter_is_remote = drafter_is_remote
         self.degraded = False
+        self._drafter_recovery: asyncio.Future | None = None
         self._waiting: list[_Sequence] = []
         self._active: list[_Sequence] = []
         self._aborts: set[str] = set()
@@ -228,6 +229,18 @@ class Coordinator:
                 await self.stop()
 
         return asyncio.run(all_of())
+
+    async def close(self) -> None:
+        """Abort what is running, stop the loop and free the unit's actors (target shards, drafter actor)."""
+        for rid in self.active_requests():
+            await self.abort(rid)
+        await self.stop()
+        for part in (self.target, self.drafter):
+            for name in ("close", "kill"):
+                fn = getattr(part, name, None)
+                if fn is not None:
+                    await _resolve(fn())
+                    break
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
@@ -319,16 +332,22 @@ class Coordinator:
     async def _draft(self, rows: list[_Sequence], gammas: list[int]) -> tuple[DraftBatch, float]:
         asks = [(i, DraftRequest(s.rid, s.tokens, g, s.request.params.spec()))
                 for i, (s, g) in enumerate(zip(rows, gammas)) if g > 0]
+        if asks and not self._drafter_ready():
+            for i, _ in asks:
+                rows[i].degraded = True
+            asks = []
         if not asks:
             return DraftBatch.empty(len(rows)), 0.0
         start = time.perf_counter()
         try:
             sub = await _resolve(self.drafter.propose([r for _, r in asks]))
         except Exception as exc:  # drafter died: decode target-only (same greedy output), mark degraded
-            log.warning("unit %s: drafter failed (%s); continuing target-only", self.unit, exc)
+            log.warning("unit %s: drafter failed (%s); target-only until it is back", self.unit, exc)
+            recover = getattr(self.drafter, "recover", None)
+            self._drafter_recovery = asyncio.ensure_future(recover()) if recover else None
             self.degraded = True
-            for s in rows:
-                s.degraded = True
+            for i, _ in asks:
+                rows[i].degraded = True
             return DraftBatch.empty(len(rows)), time.perf_counter() - start
         elapsed = time.perf_counter() - start
         width = max(1, sub.draft_ids.shape[1])
@@ -343,6 +362,22 @@ class Coordinator:
             if probs is not None:
                 probs[i, : sub.draft_ids.shape[1]] = sub.draft_probs[j]
         return DraftBatch(ids, lens, probs), elapsed
+
+    def _drafter_ready(self) -> bool:
+        """False while a failed drafter is being restarted; rounds meanwhile decode target-only."""
+        recovery = self._drafter_recovery
+        if recovery is None:
+            return True
+        if not recovery.done():
+            return False
+        self._drafter_recovery = None
+        if recovery.exception() is not None:  # still down: try again next round
+            log.warning("unit %s: drafter recovery failed: %s", self.unit, recovery.exception())
+            self._drafter_recovery = asyncio.ensure_future(self.drafter.recover())
+            return False
+        log.info("unit %s: drafter is back", self.unit)
+        self.degraded = False
+        return True
 
     async def _round(self) -> None:
         started, t0 = self.clock(), time.perf_counter()
