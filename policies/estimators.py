@@ -62,19 +62,20 @@ class CostModel:
             by_tokens[n] = self._mix(by_tokens.get(n), seconds)
 
     def verify_cost(self, batch_size: int, gamma_max: int) -> list[float]:
-        """v(γ) for γ = 0..gamma_max; v ≡ 1 until a batch size has its 1-token time measured."""
-        curves = {bs: self._curve(by_tokens, gamma_max) for bs, by_tokens in self._score_s.items() if 1 in by_tokens}
+        """v(γ) for γ = 0..gamma_max; v ≡ 1 until some batch size has a 1-token time (measured or inferred)."""
+        curves = {
+            bs: self._curve(by_tokens, gamma_max)
+            for bs, by_tokens in self._score_s.items()
+            if _one_token_s(by_tokens) is not None
+        }
         if not curves:
             return [1.0] * (gamma_max + 1)
         return _interpolate_batch(curves, batch_size)
 
     def draft_cost(self, batch_size: int) -> float:
         """c at this batch size; the configured default until a drafter step and a target step are measured."""
-        ratios = {
-            bs: [draft_s / self._score_s[bs][1]]
-            for bs, draft_s in self._draft_s.items()
-            if 1 in self._score_s.get(bs, {})
-        }
+        base = {bs: _one_token_s(self._score_s.get(bs, {})) for bs in self._draft_s}
+        ratios = {bs: [draft_s / base[bs]] for bs, draft_s in self._draft_s.items() if base[bs] is not None}
         if not ratios:
             return self.default_draft_cost
         return _interpolate_batch(ratios, batch_size)[0]
@@ -88,14 +89,29 @@ class CostModel:
     @staticmethod
     def _curve(by_tokens: dict[int, float], gamma_max: int) -> list[float]:
         """Seconds for n = 1..gamma_max+1 tokens relative to 1 token, piecewise linear in n, non-decreasing."""
+        base = _one_token_s(by_tokens)
+        by_tokens = {1: base, **by_tokens}
         ns = sorted(by_tokens)
-        base = by_tokens[1]
         curve, running = [], 1.0
         for n in range(1, gamma_max + 2):
             seconds = _piecewise_linear(ns, [by_tokens[m] for m in ns], n)
             running = max(running, seconds / base)
             curve.append(running)
         return curve
+
+
+def _one_token_s(by_tokens: dict[int, float]) -> float | None:
+    """Seconds to score 1 token: measured, or extrapolated from the two smallest measured token counts
+    (a unit that always speculates never runs a 1-token step). None when it cannot be told."""
+    if 1 in by_tokens:
+        return by_tokens[1]
+    if len(by_tokens) < 2:
+        return None
+    ns = sorted(by_tokens)[:2]
+    slope = (by_tokens[ns[1]] - by_tokens[ns[0]]) / (ns[1] - ns[0])
+    lowest = by_tokens[ns[0]]
+    # A non-positive slope (noise) says nothing about the fixed cost: take the flat reading.
+    return lowest if slope <= 0 else max(lowest - slope * (ns[0] - 1), 0.05 * lowest)
 
 
 def _piecewise_linear(xs: list[int], ys: list[float], x: int) -> float:

@@ -164,6 +164,16 @@ def test_cold_start_and_learned_costs():
     assert policy.choose("r", "arm", 16) <= policy.choose("r", "arm", 1)
 
 
+def test_one_token_time_is_inferred_when_never_measured():
+    """A unit that always speculates never scores 1 token; T(1) comes from the line through T(3) and T(5)."""
+    policy = GammaPolicy(gamma_max=4)
+    policy.observe_costs(2, draft_step_s=0.014, score_s_by_tokens={3: 0.09})
+    assert policy.verify_cost(2) == [1.0] * 5 and policy.draft_cost(2) == 0.1  # one point: the defaults
+    policy.observe_costs(2, score_s_by_tokens={5: 0.11})
+    assert policy.verify_cost(2) == pytest.approx([(60 + 10 * n) / 70 for n in range(1, 6)])
+    assert policy.draft_cost(2) == pytest.approx(0.2)
+
+
 def test_costs_are_exponentially_weighted():
     policy = GammaPolicy(cost_decay=0.5)
     policy.observe_costs(1, score_s_by_tokens={1: 0.1, 2: 0.1})
