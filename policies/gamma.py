@@ -69,7 +69,8 @@ class GammaPolicy:
     Costs. `observe_costs` feeds measured seconds: one drafter step, and scoring n tokens, at a batch size.
     c(B) = draft step / target time for 1 token; v(γ)(B) = time for γ+1 tokens / time for 1 token, linear in
     n between measured token counts (extrapolated from the last two), made non-decreasing, and interpolated
-    linearly between measured batch sizes. Before anything is measured: v ≡ 1 and c = `draft_cost`.
+    linearly between measured batch sizes. Until a 1-token time is measured (or inferred from two other token
+    counts), v ≡ 1 and c = `draft_cost`.
 
     Choice. γ = best_gamma(α, c, gamma_max, v), and 0 whenever α ≤ c. Exploration: a request that has been
     observed for `probe_interval` consecutive plain rounds (report them with gamma=0) is given γ = 1 once,
