@@ -199,11 +199,13 @@ class DecoderUnit:
             yield event
 
     async def stats(self) -> dict[str, Any]:
-        """Debug state: the unit's active sequences and the app's open ledgers (leak checks)."""
+        """Debug state for leak checks: the unit's active requests, the sequences holding KV cache in its
+        target, and the app's open ledgers (every unit's)."""
         open_ledgers = await self.policy.open_ledgers.remote()
         return {
             "unit": self.unit,
             "active_requests": self.coordinator.active_requests(),
+            "target_sequences": list(await self.coordinator.target.active_ids()),
             "open_ledgers": list(open_ledgers),
         }
 

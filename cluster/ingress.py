@@ -14,7 +14,6 @@ on the exact reference arm in the background (at most `audit.max_pending` at onc
 the telemetry hub.
 """
 
-from __future__ import annotations
 
 import json
 import logging
@@ -84,6 +83,12 @@ def _sse(body: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def _openai_reason(finished: Finished) -> str:
+    """OpenAI knows "stop" and "length"; an aborted sequence (unit shutting down) reads as "stop"."""
+    return "length" if finished.finish_reason == "length" else "stop"
+
+
+# Everything the ingress class uses is defined above it: serve.ingress captures the class when it decorates it.
 @serve.ingress(app)
 class OpenAIIngress:
     """Serve ingress body (wrapped by `cluster.app.build_app`). `decoder` is the decoder deployment's handle;
@@ -293,8 +298,3 @@ class OpenAIIngress:
 
     def _send_audit(self, record) -> None:
         self.hub().record.remote([record])
-
-
-def _openai_reason(finished: Finished) -> str:
-    """OpenAI knows "stop" and "length"; an aborted sequence (unit shutting down) reads as "stop"."""
-    return "length" if finished.finish_reason == "length" else "stop"
