@@ -5,8 +5,8 @@ appended to that sequence's cache (the sequence is created on first use) and log
 rows in ONE batched forward however their cached lengths and new-token counts differ. `crop` rolls back
 rejected draft positions; `release` frees the slot.
 
-Rows are run in slot order (so the common case of a contiguous run of slots reads cache views, see
-actors.kv_cache) and returned in the caller's order.
+Rows are run in slot order (so a contiguous run of slots reads cache views, see actors.kv_cache) and
+returned in the caller's order; releasing compacts the slots so that run is the common case.
 """
 
 from __future__ import annotations
@@ -61,9 +61,21 @@ class Engine:
         self._length[seq_id] = length  # stale positions past `length` are masked, then overwritten
 
     def release(self, seq_id: str) -> bool:
-        """Free a sequence's slot. Unknown ids are ignored (abort paths may release twice); True if freed."""
+        """Free a sequence's slot. Unknown ids are ignored (abort paths may release twice); True if freed.
+
+        The sequence in the highest slot moves into the freed one (one copy of its cached positions), so the
+        occupied slots stay 0..n-1 and a batch of every active sequence reads the cache as a view.
+        """
         self._length.pop(seq_id, None)
-        return self._slot.pop(seq_id, None) is not None
+        freed = self._slot.pop(seq_id, None)
+        if freed is None:
+            return False
+        if self._slot:
+            last_id = max(self._slot, key=self._slot.get)
+            if self._slot[last_id] > freed:
+                self.cache.move(self._slot[last_id], freed, self._length[last_id])
+                self._slot[last_id] = freed
+        return True
 
     def forward(
         self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]], num_logits: Sequence[int] | None = None

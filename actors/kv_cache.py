@@ -4,7 +4,8 @@ Layout per layer: keys and values [slots, Hkv, capacity, D]. A sequence owns one
 positions are 0 .. length-1 of that row. Both the slot count and the capacity grow in chunks up to the
 Engine's limits, so a cache sized for 64 sequences of 8k tokens costs nothing until it is used. Growing
 copies the cache once; steady-state steps never copy it: a batch whose slots form a contiguous range
-reads a view, any other batch gathers only its own rows up to its longest length.
+reads a view, any other batch gathers only its own rows up to its longest length. The Engine keeps the
+occupied slots packed at 0..n-1, so a batch of all its sequences is always a view.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ class SlotCache:
         index = (batch.slots[:, None], slice(None), batch.positions)  # -> [B, T, Hkv, D]
         self.k[layer][index] = k
         self.v[layer][index] = v
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of slot `src` into slot `dst` (every layer)."""
+        for cache in self.k + self.v:
+            cache[dst, :, :length] = cache[src, :, :length]
 
     def read(self, layer: int, batch: CacheBatch) -> tuple[Tensor, Tensor]:
         """Keys and values [B, Hkv, S, D] of the batch's rows up to S = batch.kv_len."""

@@ -154,17 +154,24 @@ class TargetGroup:
     """Driver side of a tensor-parallel target: creates the shards, fans each call out, returns rank 0's result.
 
     On GPU (`spec.device` = "cuda") each shard takes one GPU, all in one STRICT_PACK placement group (one node,
-    NVLink); on CPU each takes `num_cpus` in a PACK placement group. Same call surface as
-    actors.target.LocalTarget: `step`, `release`, `active_ids`, plus `rebuild`, `health` and `close`.
+    NVLink); on CPU each takes `num_cpus` in a PACK placement group. `resources` (one shard's bundle) and
+    `strategy` override those. Same call surface as actors.target.LocalTarget: `step`, `release`,
+    `active_ids`, plus `rebuild`, `health` and `close`; `*_sync` variants block.
     """
 
-    def __init__(self, spec: ShardSpec, num_cpus: float = 0.5, ready_timeout_s: float = 600.0):
+    def __init__(
+        self, spec: ShardSpec, num_cpus: float = 0.5, ready_timeout_s: float = 600.0,
+        resources: dict[str, float] | None = None, strategy: str | None = None,
+    ):
         from actors.loading import model_info
         from actors.sharding import validate_tp
 
         info = model_info(spec.source)  # fail fast, before starting actors
         validate_tp(info["num_attention_heads"], info["num_key_value_heads"], spec.tp_size)
-        self.spec, self.num_cpus, self.ready_timeout_s = spec, num_cpus, ready_timeout_s
+        gpu = spec.device.startswith("cuda")
+        self.bundle = dict(resources or ({"GPU": 1, "CPU": 1} if gpu else {"CPU": num_cpus}))
+        self.strategy = strategy or ("STRICT_PACK" if gpu else "PACK")
+        self.spec, self.ready_timeout_s = spec, ready_timeout_s
         self.vocab_size = info["vocab_size"]
         self.shards: list = []
         self.placement_group = None
@@ -176,15 +183,15 @@ class TargetGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        gpu = self.spec.device.startswith("cuda")
-        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": self.num_cpus}
-        self.placement_group = placement_group([bundle] * self.spec.tp_size, strategy="STRICT_PACK" if gpu else "PACK")
+        bundle = self.bundle
+        self.placement_group = placement_group([bundle] * self.spec.tp_size, strategy=self.strategy)
         ray.get(self.placement_group.ready(), timeout=self.ready_timeout_s)
         actor = ray.remote(TargetShard)
         self.shards = [
             actor.options(
-                num_cpus=bundle["CPU"],
-                num_gpus=1 if gpu else 0,
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")} or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=r),
             ).remote(self.spec, r)
             for r in range(self.spec.tp_size)

@@ -84,12 +84,13 @@ def test_ragged_batch_equals_one_sequence_at_a_time(kind):
     batched = Engine(_ours(hf), max_slots=8)
     ids = [f"s{i}" for i in range(4)]
     batched.forward(ids, prompts)
-    batched.release("s1")  # free slot 1, then reuse it: the next batch is not a contiguous slot range
+    batched.release("s1")  # s3 moves from slot 3 into slot 1; s1 comes back in slot 3
     batched.forward(["s1"], [prompts[1]])
-    order = [2, 0, 3, 1]  # caller order differs from slot order
-    got = batched.forward([ids[i] for i in order], [extra[i] for i in order])
-    for row, i in enumerate(order):
-        torch.testing.assert_close(got[row, : len(extra[i])], expected[i], atol=ATOL, rtol=0)
+    assert [batched._slot[i] for i in ids] == [0, 3, 2, 1]
+    for order in ([2, 0], [3, 1]):  # caller order differs from slot order; slots {0, 2} are not contiguous
+        got = batched.forward([ids[i] for i in order], [extra[i] for i in order])
+        for row, i in enumerate(order):
+            torch.testing.assert_close(got[row, : len(extra[i])], expected[i], atol=ATOL, rtol=0)
     tails = batched.forward(ids, [[7, 8, 9]] * 4, num_logits=[1, 2, 3, 1])
     assert tails.shape == (4, 3, 256)
 
