@@ -196,8 +196,12 @@ class TargetGroup:
             ).remote(self.spec, r)
             for r in range(self.spec.tp_size)
         ]
-        address = ray.get(self.shards[0].rendezvous.remote(), timeout=self.ready_timeout_s)
-        ray.get([s.setup.remote(address) for s in self.shards], timeout=self.ready_timeout_s)
+        try:
+            address = ray.get(self.shards[0].rendezvous.remote(), timeout=self.ready_timeout_s)
+            ray.get([s.setup.remote(address) for s in self.shards], timeout=self.ready_timeout_s)
+        except BaseException:
+            self.close()  # no half-started group keeps its actors or placement group
+            raise
         log.info("target group up: %s, tp_size %d on %s", self.spec.source, self.spec.tp_size, self.spec.device)
 
     def close(self) -> None:

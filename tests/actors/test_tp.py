@@ -124,3 +124,8 @@ def test_lead_target_step_runs_on_rank_0_and_a_dead_shard_fails_fast_then_rebuil
         assert again.scores.argmax_ids.tolist() == result.scores.argmax_ids.tolist()
     finally:
         group.close()
+
+
+def test_group_refuses_a_tp_size_the_heads_cannot_split_before_starting_actors(tiny_llama_dir):
+    with pytest.raises(ValueError, match="^tp_size:"):
+        TargetGroup(ShardSpec(str(tiny_llama_dir), tp_size=3))  # 2 kv heads
