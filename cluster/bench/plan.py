@@ -1,0 +1,67 @@
+"""What a benchmark run measures and how much of it: the `quick` and `full` presets.
+
+Sizes are chosen for the 2-core CPU this project develops on (one SmolLM2 decode step ≈ 68 ms at batch 1):
+`quick` finishes in under 5 minutes, `full` in under 40, on a quiet machine.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.bench.workloads import WORKLOADS
+
+
+class ASDSetting(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    g: float = Field(ge=0, description="Gate on regret / v_i (logits).")
+    max_relaxed_per_block: int = Field(ge=0, description="M: most relaxed tokens per block.")
+    budget: float = Field(ge=0, description="B: regret budget per request.")
+
+    @property
+    def label(self) -> str:
+        return f"g{self.g:g}_M{self.max_relaxed_per_block}_B{self.budget:g}"
+
+
+class BenchPlan(BaseModel):
+    """One benchmark run. Every field is a size or a list of settings; nothing here is tuned per result."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="Preset name, recorded in results.json.")
+    workloads: tuple[str, ...] = Field(WORKLOADS, description="Workloads, by name (cluster.bench.workloads).")
+    prompts: int = Field(ge=1, description="Prompts per workload (sampled by seed).")
+    max_tokens: int = Field(ge=1, description="max_tokens of every request (greedy; EOS may end it earlier).")
+    repeats: int = Field(ge=1, description="Repeats per measurement; the median is reported.")
+    seed: int = Field(0, description="Seed of the prompt sample.")
+    gammas: tuple[int, ...] = Field(description="Fixed γ sweep (0 is target-only decoding).")
+    batched_concurrency: int = Field(16, ge=2, description="In-process concurrency of the γ-under-load sweep.")
+    batched_workloads: tuple[str, ...] = Field(description="Workloads of the γ-under-load sweep.")
+    batched_gammas: tuple[int, ...] = Field(description="Fixed γ sweep under load.")
+    asd_settings: tuple[ASDSetting, ...] = Field(description="ASD (g, M, B) settings besides the config's default arm.")
+    asd_workloads: tuple[str, ...] = Field(description="Workloads of the ASD sweep beyond the default arm.")
+    hf_modes: tuple[str, ...] = Field(description="Hugging Face peer modes (cluster.bench.hf_peer.HF_MODES).")
+    http_workload: str = Field("code", description="Workload of the HTTP concurrency sweep.")
+    http_concurrency: tuple[int, ...] = Field(description="Concurrency levels through the HTTP app.")
+    http_modes: tuple[str, ...] = Field(description="'adaptive', 'best_fixed', 'target_only'.")
+
+
+QUICK = BenchPlan(
+    name="quick", prompts=2, max_tokens=32, repeats=1, gammas=(0, 2, 4, 8),
+    batched_workloads=("code",), batched_gammas=(0, 4),
+    asd_settings=(), asd_workloads=(),
+    hf_modes=("plain", "prompt_lookup_3", "prompt_lookup_10"),
+    http_concurrency=(1, 8), http_modes=("adaptive",),
+)
+
+FULL = BenchPlan(
+    name="full", prompts=6, max_tokens=96, repeats=3, gammas=(0, 1, 2, 4, 6, 8),
+    batched_workloads=("code", "edit"), batched_gammas=(0, 1, 2, 4, 6, 8),
+    asd_settings=(ASDSetting(g=1, max_relaxed_per_block=1, budget=4), ASDSetting(g=4, max_relaxed_per_block=4, budget=32),
+                  ASDSetting(g=8, max_relaxed_per_block=8, budget=1000)),
+    asd_workloads=WORKLOADS,
+    hf_modes=("plain", "prompt_lookup_3", "prompt_lookup_10", "assistant"),
+    http_concurrency=(1, 2, 4, 8, 16), http_modes=("adaptive", "best_fixed", "target_only"),
+)
+
+PRESETS = {"quick": QUICK, "full": FULL}

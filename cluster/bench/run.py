@@ -1,0 +1,260 @@
+"""`specserve bench [--quick] [--out DIR] [--resume] [--skip SECTIONS] [CONFIG]`: the benchmark suite.
+
+Writes `DIR/results.json` (top-level `summary`, `goals`, `sections`, `meta`), `DIR/report.md` and PNG plots.
+Progress goes to stderr. Each section is stored under `DIR/sections/` as soon as it finishes; `--resume`
+reuses stored sections of the same plan, so an interrupted run continues where it stopped.
+
+All figures are ratios measured side by side in one process on one machine (DESIGN.md, performance model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from cluster.bench.plan import PRESETS, ASDSetting, BenchPlan
+
+log = logging.getLogger("specserve.bench")
+
+SECTIONS = ("single", "batched", "asd", "hf", "http")
+DEFAULT_CONFIG = "configs/local.yaml"
+TORCH_THREADS = 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"deployment config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--quick", action="store_true", help="the quick preset (< 5 min on 2 cores)")
+    parser.add_argument("--out", default=None, help="output folder (default bench-results/<preset>)")
+    parser.add_argument("--resume", action="store_true", help="reuse sections stored by an earlier run of this plan")
+    parser.add_argument("--skip", default="", help=f"comma-separated sections to skip: {', '.join(SECTIONS)}")
+    parser.add_argument("--workloads", default=None, help="comma-separated workloads (default: all)")
+    parser.add_argument("--prompts", type=int, default=None, help="override: prompts per workload")
+    parser.add_argument("--max-tokens", type=int, default=None, help="override: max_tokens per request")
+    parser.add_argument("--repeats", type=int, default=None, help="override: repeats per measurement")
+    parser.add_argument("--port", type=int, default=8765, help="HTTP port of the benchmark app (127.0.0.1)")
+    return parser.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> BenchPlan:
+    plan = PRESETS["quick" if args.quick else "full"]
+    update = {}
+    if args.workloads:
+        workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+        update.update(workloads=workloads,
+                      batched_workloads=tuple(w for w in plan.batched_workloads if w in workloads) or workloads[:1],
+                      asd_workloads=tuple(w for w in plan.asd_workloads if w in workloads),
+                      http_workload=plan.http_workload if plan.http_workload in workloads else workloads[0])
+    for field, value in (("prompts", args.prompts), ("max_tokens", args.max_tokens), ("repeats", args.repeats)):
+        if value is not None:
+            update[field] = value
+    return BenchPlan.model_validate({**plan.model_dump(), **update}) if update else plan
+
+
+class SectionStore:
+    """Finished sections as JSON files; a stored section is reused only for the same plan and config."""
+
+    def __init__(self, directory: Path, fingerprint: dict, resume: bool):
+        self.directory = directory
+        self.fingerprint = fingerprint
+        self.resume = resume
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.directory / (key.replace("/", "__") + ".json")
+
+    def get(self, key: str):
+        path = self._path(key)
+        if not (self.resume and path.is_file()):
+            return None
+        stored = json.loads(path.read_text())
+        return stored["data"] if stored.get("fingerprint") == self.fingerprint else None
+
+    def put(self, key: str, data) -> None:
+        tmp = self._path(key).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "data": data}))
+        tmp.replace(self._path(key))
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python "
+            f"{platform.python_version()}; load average {load:.1f} at start")
+
+
+class Progress:
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.monotonic()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        log.info("[%d/%d +%.0fs] %s", self.done, self.total, time.monotonic() - self.start, what)
+
+
+def _asd_settings(config, plan: BenchPlan, workload: str) -> list[tuple[str, ASDSetting]]:
+    """The config's first ASD arm (the default, reported in the summary) then the plan's extra settings."""
+    settings = []
+    for arm in config.arms:
+        if arm.verification == "asd":
+            s = ASDSetting(g=arm.asd.g, max_relaxed_per_block=arm.asd.max_relaxed_per_block, budget=arm.asd.budget)
+            settings.append((f"{arm.name}:{s.label}", s))
+            break
+    if workload in plan.asd_workloads:
+        settings += [(s.label, s) for s in plan.asd_settings if s.label not in {l.split(":")[-1] for l, _ in settings}]
+    return settings
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    import torch
+
+    torch.set_num_threads(TORCH_THREADS)
+    import transformers
+
+    from actors.drafters import ModelDrafter, NgramDrafter
+    from actors.engine import Engine
+    from actors.loading import load_model, model_info
+    from cluster.bench import sections
+    from cluster.bench.harness import InProcessBench
+    from cluster.bench.workloads import load_workload
+    from cluster.config import dump_config, load_config
+
+    config = load_config(args.config)
+    plan = make_plan(args)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"--skip: unknown sections {sorted(unknown)} (known: {', '.join(SECTIONS)})")
+    out = Path(args.out or f"bench-results/{plan.name}")
+    store = SectionStore(out / "sections", {"plan": plan.model_dump(mode="json"), "config": dump_config(config)},
+                         args.resume)
+    started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
+    steps = len(plan.workloads) * (1 + ("asd" not in skip) + ("hf" not in skip)) + 2 + (
+        0 if "batched" in skip else len(plan.batched_workloads)) + ("http" not in skip)
+    progress = Progress(steps)
+
+    target = config.target
+    info = model_info(target.source)
+    model, tokenizer = load_model(target.source, target.dtype, target.device)
+    max_slots = max(plan.batched_concurrency, target.max_batch_size, max(plan.http_concurrency))
+    engine = Engine(model, max_slots=max_slots, max_seq_len=target.max_seq_len or info["max_position_embeddings"])
+    drafter_cfg = config.drafter
+    if drafter_cfg.kind == "ngram":
+        drafter = NgramDrafter(drafter_cfg.prompt_lookup_min, drafter_cfg.prompt_lookup_max)
+    elif drafter_cfg.kind == "model":
+        drafter_model, _ = load_model(drafter_cfg.source, drafter_cfg.dtype, drafter_cfg.device)
+        drafter = ModelDrafter(Engine(drafter_model, max_slots, engine.max_seq_len), name=drafter_cfg.source)
+    else:
+        drafter = None
+    gamma = config.gamma
+    policy = dict(gamma_max=max(gamma.gamma_max, *plan.gammas, *plan.batched_gammas), gamma_min=gamma.gamma_min,
+                  prior_alpha=gamma.prior_alpha, draft_cost=gamma.draft_cost)
+    bench = InProcessBench(engine, drafter, eos_token_ids=info["eos_token_ids"], policy=policy,
+                           max_tokens=plan.max_tokens, repeats=plan.repeats)
+    prompts = {w: load_workload(w, tokenizer, plan.prompts, plan.seed) for w in plan.workloads}
+    bench.warm_up(prompts[plan.workloads[0]][0])
+    progress.step(f"loaded {target.source} and warmed up")
+
+    def section(key: str, make):
+        data = store.get(key)
+        if data is None:
+            data = make()
+            store.put(key, data)
+            progress.step(key)
+        else:
+            progress.step(f"{key} (stored)")
+        return data
+
+    results: dict = {"single": {}, "batched": {}, "asd": {}, "hf": {}}
+    for w in plan.workloads:
+        results["single"][w] = section(f"single/{w}", lambda: sections.single_stream(bench, prompts[w], plan))
+    if "batched" not in skip:
+        for w in plan.batched_workloads:
+            results["batched"][w] = section(f"batched/{w}", lambda: sections.batched(bench, prompts[w], plan))
+    if "asd" not in skip:
+        for w in plan.workloads:
+            settings = _asd_settings(config, plan, w)
+            if settings:
+                results["asd"][w] = section(f"asd/{w}", lambda: sections.asd(bench, prompts[w], settings,
+                                                                              results["single"][w]))
+    if "hf" not in skip:
+        from actors.loading import resolve
+        from cluster.bench.hf_peer import HFPeer
+
+        peer = None
+        for w in plan.workloads:
+            def make():
+                nonlocal peer
+                if peer is None:
+                    peer = HFPeer(resolve(target.source), max_tokens=plan.max_tokens,
+                                  eos_token_ids=info["eos_token_ids"], repeats=plan.repeats)
+                return sections.hf_peer(peer, prompts[w], plan.hf_modes, results["single"][w]["target_only_token_ids"])
+            results["hf"][w] = section(f"hf/{w}", make)
+    if "http" not in skip:
+        w = plan.http_workload
+        best = results["single"][w]["gamma_sweep"]["best_fixed_gamma"]
+        results["http"] = section("http", lambda: sections.http(config, prompts[w], plan, best, args.port))
+    progress.step("done")
+
+    from cluster.bench.summary import build_summary, judge
+
+    summary = build_summary(results)
+    return {
+        "summary": summary,
+        "goals": judge(summary, results),
+        "meta": {
+            "command": "specserve bench " + " ".join(shlex.quote(a) for a in argv),
+            "machine": machine(), "started": started, "elapsed_s": time.monotonic() - t0,
+            "model": target.source, "drafter": f"{drafter_cfg.kind} ({drafter_cfg.prompt_lookup_min}-"
+                                             f"{drafter_cfg.prompt_lookup_max})" if drafter_cfg.kind == "ngram"
+            else f"{drafter_cfg.kind} {drafter_cfg.source or ''}".strip(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "torch_threads": TORCH_THREADS,
+            "plan": plan.model_dump(mode="json"), "config": args.config, "skipped": sorted(skip),
+        },
+        "sections": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("bench %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        results = run(args, argv)
+    except ValueError as err:
+        log.error("error: %s", err)
+        return 2
+    from cluster.bench.report import write_report
+
+    out = Path(args.out or f"bench-results/{results['meta']['plan']['name']}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    report = write_report(results, out)
+    log.info("wrote %s and %s", out / "results.json", report)
+    for goal in results["goals"]:
+        state = "not measured" if goal["met"] is None else ("met" if goal["met"] else "MISSED")
+        log.info("  %-24s %s", goal["key"], state)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
