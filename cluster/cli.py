@@ -31,19 +31,21 @@ logger = logging.getLogger("specserve")
 # --------------------------------------------------------------------------------------------- serve
 
 
-def _start_ray() -> bool:
-    """Connect to the running Ray cluster (RAY_ADDRESS or a local `ray start`), else start one here.
-    True when this process started it (and so must stop it)."""
+def _start_ray(address: str | None) -> bool:
+    """Connect to the Ray cluster at `address` (or RAY_ADDRESS) when one is given, else start a private local
+    one sized to this machine. True when this process started it (and so must stop it).
+
+    A cluster is never joined by auto-detection: on a shared machine that would deploy into (and die with)
+    somebody else's cluster."""
     import ray
 
     if ray.is_initialized():
         return False
-    try:
-        ray.init(address="auto", logging_level=logging.WARNING)
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
         return False
-    except ConnectionError:
-        pass
-    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level=logging.WARNING)
     return True
 
 
@@ -57,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     host = args.host or config.serving.host
     port = args.port or config.serving.port
-    started_ray = _start_ray()
+    started_ray = _start_ray(args.address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -238,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("config", help="YAML config (e.g. configs/local.yaml)")
     serve.add_argument("--host", default=None, help="bind address (default: serving.host of the config)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default: serving.port of the config)")
+    serve.add_argument("--address", default=None,
+                       help="join this Ray cluster (default: RAY_ADDRESS, else start a local one)")
     serve.set_defaults(handler=cmd_serve)
 
     gen = commands.add_parser("generate", help="decode one prompt in-process (no Ray)")
