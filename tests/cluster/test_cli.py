@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -75,3 +76,39 @@ def test_generate_no_speculation_matches_speculation_greedy(tiny_llama_dir, tmp_
         main(["generate", config, "--prompt", "x y x y x y", "--max-tokens", "8", "--json", *extra])
         outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert outputs[0] == outputs[1]  # exact greedy speculation reproduces the target's greedy output
+
+
+@pytest.mark.slow
+def test_serve_starts_answers_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
+    """`specserve serve` starts its own local Ray (token auth on, as Ray 2.60 defaults), prints the URL,
+    answers, and on SIGTERM shuts Serve and Ray down and exits 0."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tiny_local_config(tiny_llama_dir, tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", config, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        deadline = time.time() + 240
+        line = ""
+        while time.time() < deadline and "serving at" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "specserve serve exited early"
+        assert f"http://127.0.0.1:{port}/v1" in line
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": "hi", "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
