@@ -132,13 +132,13 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        prompt_ids = self._completion_prompt(body)
-        return await self._serve(body, prompt_ids, request, chat=False)
+        self._check_model(body.model)
+        return await self._serve(body, self._completion_prompt(body), request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        prompt_ids = self._chat_prompt(body)
-        return await self._serve(body, prompt_ids, request, chat=True)
+        self._check_model(body.model)
+        return await self._serve(body, self._chat_prompt(body), request, chat=True)
 
     # --- request handling --------------------------------------------------------------------------------
     def hub(self):
@@ -177,7 +177,6 @@ class OpenAIIngress:
             )
 
     def _job(self, body, prompt_ids: list[int], request: Request):
-        self._check_model(body.model)
         serving = self.config.serving
         max_tokens = resolve_max_tokens(
             body.requested_max_tokens, prompt_len=len(prompt_ids), default=serving.default_max_tokens,

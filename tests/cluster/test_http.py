@@ -226,7 +226,7 @@ def test_disconnect_mid_stream_frees_the_sequence(server):
             "stream_options": {"include_usage": True}}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server}/v1/completions", json=body, headers={ARM: "asd"}) as response:
-            assert response.status_code == 200
+            assert response.status_code == 200 and response.headers[ARM] == "asd"
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
             assert json.loads(first[5:])["choices"]
