@@ -117,7 +117,7 @@ def build_unit(*, unit: str, target_source: str, dtype: str = "float32", device:
     if on_ray:
         return _on_ray(unit, target_source, dtype, device, tp_size, max_slots, max_seq_len, drafter_kind,
                        drafter_source, prompt_lookup_min, prompt_lookup_max, policy, target_resources or {},
-                       drafter_resources or {}, torch_threads, common)
+                       drafter_resources or {}, torch_threads, placement_strategy, common)
     import torch
 
     from actors.engine import Engine
@@ -140,7 +140,7 @@ def build_unit(*, unit: str, target_source: str, dtype: str = "float32", device:
 
 def _on_ray(unit, target_source, dtype, device, tp_size, max_slots, max_seq_len, drafter_kind, drafter_source,
             prompt_lookup_min, prompt_lookup_max, policy, target_resources, drafter_resources, torch_threads,
-            common) -> Coordinator:
+            placement_strategy, common) -> Coordinator:
     import ray
 
     from actors.tp import ShardSpec, TargetGroup
@@ -150,13 +150,15 @@ def _on_ray(unit, target_source, dtype, device, tp_size, max_slots, max_seq_len,
     spec = ShardSpec(source=target_source, tp_size=tp_size, dtype=dtype, device=device, max_slots=max_slots,
                      max_seq_len=max_seq_len, num_threads=torch_threads or 1, logit_rows=num_logits,
                      postprocess=TargetStep())
-    target = TargetGroup(spec, num_cpus=target_resources.get("num_cpus", 0.5))
+    target = TargetGroup(spec, num_cpus=target_resources.get("num_cpus", 0.5), resources=_bundle(target_resources),
+                         strategy=placement_strategy)
     drafter = None
     if drafter_kind == "ngram":
         drafter = NgramDrafter(prompt_lookup_min, prompt_lookup_max)
     elif drafter_kind == "model":
         actor = ray.remote(DrafterHost).options(
             num_cpus=drafter_resources.get("num_cpus", 0.5), num_gpus=drafter_resources.get("num_gpus", 0),
+            memory=int(drafter_resources["memory_gb"] * 2**30) if drafter_resources.get("memory_gb") else None,
             max_restarts=-1, max_task_retries=0,
         )
         drafter = RemoteDrafter(
@@ -165,3 +167,13 @@ def _on_ray(unit, target_source, dtype, device, tp_size, max_slots, max_seq_len,
     coordinator = Coordinator(target=target, drafter=drafter, policy=RemotePolicy(policy),
                               drafter_is_remote=drafter_kind == "model", **common)
     return coordinator
+
+
+def _bundle(resources: dict) -> dict | None:
+    """One shard's placement-group bundle from config resources {num_cpus, num_gpus}."""
+    if not resources:
+        return None
+    bundle = {"CPU": float(resources.get("num_cpus", 0.5))}
+    if resources.get("num_gpus"):
+        bundle["GPU"] = float(resources["num_gpus"])
+    return bundle  # memory_gb sizes Kubernetes pods; Ray does not schedule shards by it
