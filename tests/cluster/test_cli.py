@@ -23,6 +23,14 @@ def test_parser_knows_every_command():
     assert (args.image, args.out) == ("img:1", "x.yaml")
 
 
+@pytest.mark.parametrize("argv, usage", [(["ab", "report", "--help"], "specserve ab report"),
+                                         (["bench", "--help"], "specserve bench")])
+def test_ab_report_and_bench_own_their_arguments(argv, usage, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0 and usage in capsys.readouterr().out
+
+
 def test_missing_config_is_an_error_not_a_traceback(capsys):
     assert main(["generate", "does-not-exist.yaml", "--prompt", "hi"]) == 2
     assert "does-not-exist.yaml" in capsys.readouterr().err
