@@ -211,6 +211,13 @@ class AutoscalingSettings(_Strict):
     graceful_shutdown_timeout_s: float = Field(
         30.0, ge=0, description="A unit being removed may finish its requests for this long."
     )
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="Window over which ongoing requests are averaged for a scaling decision."
+    )
+    metrics_interval_s: float | None = Field(
+        None, gt=0, description="How often replicas and handles report ongoing requests to the autoscaler; None "
+        "keeps Serve's default (10 s). Ray marks this field deprecated in favour of environment variables.",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingSettings:
@@ -237,7 +244,10 @@ class AutoscalingSettings(_Strict):
             "target_ongoing_requests": self.target_ongoing_requests,
             "upscale_delay_s": self.upscale_delay_s,
             "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
         }
+        if self.metrics_interval_s is not None:
+            config["metrics_interval_s"] = self.metrics_interval_s
         if self.initial_replicas is not None:
             config["initial_replicas"] = self.initial_replicas
         return config
