@@ -41,7 +41,7 @@ def tiny_config(model_dir) -> dict:
             {"name": "asd", "verification": "asd", "asd": {"g": 2.0, "max_relaxed_per_block": 2, "budget": 8.0},
              "weight": 1},
         ],
-        "serving": {"max_ongoing_requests": 4, "max_queued_requests": 2, "max_tokens_limit": 128,
+        "serving": {"max_ongoing_requests": 4, "max_queued_requests": 4, "max_tokens_limit": 128,
                     "default_max_tokens": 16},
         "unit": {"num_cpus": 0.25, "torch_threads": 1},
         "autoscaling": {"enabled": False, "min_replicas": 1, "max_replicas": 1},
@@ -248,7 +248,7 @@ def test_concurrent_requests_share_a_unit_and_overflow_gets_503(server):
 
     ok = asyncio.run(burst(4, 16))  # fits max_ongoing_requests: batched together
     assert [r.status_code for r in ok] == [200] * 4
-    responses = asyncio.run(burst(16, 120))  # 4 ongoing + 2 queued per unit: the rest is refused
+    responses = asyncio.run(burst(24, 120))  # 4 ongoing + 4 queued per unit: the rest is refused
     codes = sorted(r.status_code for r in responses)
     assert set(codes) <= {200, 503} and codes.count(200) >= 4 and 503 in codes, codes
     refused = next(r for r in responses if r.status_code == 503)
