@@ -1,12 +1,13 @@
 """In-process measurement: one `Engine`, one coordinator per mode, requests run one by one or in waves.
 
 A **mode** is what varies between measured runs on the same prompts: target-only, a fixed γ, adaptive γ, or an
-ASD arm. Each mode gets a fresh `PolicyCore` that lives for the whole run (warm-up included), as a serving
-unit's policy actor lives across requests; so adaptive γ is measured in its steady state, not at its prior.
+ASD arm. Each mode of a sweep gets a fresh `PolicyCore` that lives for the whole sweep (warm-up included), as a
+serving unit's policy actor lives across requests; so adaptive γ is measured in its steady state, not at its
+prior. The modes of a sweep are interleaved wave by wave, so load drift on a shared machine hits all alike.
 
 Timing. A request's **e2e** time is from submission to its last token (prefill included, what a user waits);
-its **decode** time is from the first token to the last. tokens/s of a run is Σ output tokens / Σ e2e seconds
-at concurrency 1, and Σ output tokens / Σ wave wall time at concurrency N (N requests submitted together).
+its **decode** time is from the first token to the last. tokens/s of a run is Σ output tokens / Σ wave wall
+time (a wave is one request at concurrency 1, N requests submitted together at concurrency N).
 Every round's `RoundRecord` is kept (single stream) for the α, c and v(γ) fit in `cluster.bench.speedup`.
 """
 
@@ -123,10 +124,40 @@ class RoundCollector:
         self.requests.append(record)
 
 
+class ModeRunner:
+    """One mode's coordinator (and policy) on the bench's engine, kept across a whole sweep."""
+
+    def __init__(self, bench: "InProcessBench", mode: Mode):
+        self.bench = bench
+        self.mode = mode
+        self.collector = RoundCollector()
+        policy = PolicyCore(**{**bench.policy, "fixed_gamma": mode.fixed_gamma})
+        self.coordinator = Coordinator.local(bench.engine, bench.drafter, policy, eos_token_ids=bench.eos,
+                                             unit="bench", observer=self.collector,
+                                             max_batch_size=bench.engine.max_slots)
+
+    @property
+    def learns(self) -> bool:
+        """Adaptive γ learns α and costs: it is warmed up before it is measured."""
+        return self.mode.speculate and self.mode.fixed_gamma is None
+
+    def wave(self, prompts: list[Prompt]) -> tuple[list[RequestMeasure], float]:
+        """Run prompts together (one batched wave); (measures, wall seconds)."""
+        t0 = time.perf_counter()
+        results = self.coordinator.generate_many_sync([self.bench.request(p, self.mode) for p in prompts])
+        wall = time.perf_counter() - t0
+        for prompt, result in zip(prompts, results):
+            if result.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"{prompt.name} ({self.mode.name}): finished with {result.finish_reason!r}")
+        return [_measure(p, r) for p, r in zip(prompts, results)], wall
+
+
 class InProcessBench:
     """Runs modes on prompts over one engine. `drafter` is shared by all modes (the n-gram one is stateless).
 
     policy: `PolicyCore` keyword arguments (γ bounds, priors); `fixed_gamma` is set per mode.
+    Modes of one sweep are **interleaved**: every wave of prompts runs under each mode in turn (order
+    alternating), so a machine whose load drifts during the run biases no mode against another.
     """
 
     def __init__(self, engine, drafter, *, eos_token_ids, policy: dict, max_tokens: int, repeats: int = 1,
@@ -144,56 +175,65 @@ class InProcessBench:
         self.warmup = warmup
         self._ids = 0
 
-    def _coordinator(self, mode: Mode, observer: RoundCollector) -> Coordinator:
-        policy = PolicyCore(**{**self.policy, "fixed_gamma": mode.fixed_gamma})
-        return Coordinator.local(self.engine, self.drafter, policy, eos_token_ids=self.eos, unit="bench",
-                                 observer=observer, max_batch_size=self.engine.max_slots)
-
-    def _request(self, prompt: Prompt, mode: Mode) -> GenerationRequest:
+    def request(self, prompt: Prompt, mode: Mode) -> GenerationRequest:
         self._ids += 1
         return GenerationRequest(f"{prompt.name}#{self._ids}", list(prompt.ids), SamplingParams(self.max_tokens),
                                  mode.arm, speculate=mode.speculate)
 
+    def runner(self, mode: Mode) -> ModeRunner:
+        return ModeRunner(self, mode)
+
     def warm_up(self, prompt: Prompt) -> None:
         """One untimed request, so the first measured run does not pay for torch's first calls."""
-        self.run([prompt], TARGET_ONLY, warmup=0)
+        self.runner(TARGET_ONLY).wave([prompt])
 
-    def run(self, prompts: list[Prompt], mode: Mode, concurrency: int = 1, warmup: int | None = None) -> RunMeasure:
-        """Warm up on the first `warmup` prompts (default: the bench's), then run all prompts `repeats` times;
-        at concurrency N, in waves of N prompts (cycled). The warm-up also teaches an adaptive policy."""
+    def run(self, prompts: list[Prompt], mode: Mode, concurrency: int = 1) -> RunMeasure:
+        return self.sweep(prompts, [mode], concurrency)[mode.name]
+
+    def sweep(self, prompts: list[Prompt], modes: list[Mode], concurrency: int = 1) -> dict[str, RunMeasure]:
+        """Warm up the learning modes on the first `warmup` prompts, then run all prompts `repeats` times under
+        every mode, interleaved; at concurrency N, in waves of N prompts (cycled)."""
         if concurrency < 1:
             raise ValueError(f"concurrency: must be >= 1, got {concurrency}")
-        observer = RoundCollector()
-        coordinator = self._coordinator(mode, observer)
-        for prompt in prompts[: self.warmup if warmup is None else warmup]:
-            coordinator.generate_sync(self._request(prompt, mode))
+        if len({m.name for m in modes}) != len(modes):
+            raise ValueError("modes: names must be distinct")
+        runners = [self.runner(m) for m in modes]
+        for runner in runners:
+            if runner.learns:
+                for prompt in prompts[: self.warmup]:
+                    runner.wave([prompt])
         batch = prompts if concurrency == 1 else cycle(prompts, max(concurrency, len(prompts)))
-        repeats = []
+        waves = [batch[i : i + concurrency] for i in range(0, len(batch), concurrency)]
+        repeats: dict[str, list] = {m.name: [] for m in modes}
         for _ in range(self.repeats):
-            observer.rounds.clear()
-            repeats.append(self._repeat(coordinator, observer, batch, mode, concurrency))
-        rates = [r[0] for r in repeats]
-        median = sorted(range(len(repeats)), key=lambda i: rates[i])[(len(repeats) - 1) // 2]
-        rate, decode_rate, requests, rounds = repeats[median]
-        return RunMeasure(prompts[0].workload, mode.name, concurrency, rate, decode_rate, tuple(rates),
-                          tuple(requests), tuple(rounds) if concurrency == 1 else ())
+            measures = {m.name: [] for m in modes}
+            walls = {m.name: 0.0 for m in modes}
+            for runner in runners:
+                runner.collector.rounds.clear()
+            for i, wave in enumerate(waves):
+                for runner in runners if i % 2 == 0 else runners[::-1]:
+                    got, wall = runner.wave(wave)
+                    measures[runner.mode.name].extend(got)
+                    walls[runner.mode.name] += wall
+            for runner in runners:
+                name = runner.mode.name
+                repeats[name].append(_rates(measures[name], walls[name]) + (list(runner.collector.rounds),))
+        out = {}
+        for mode in modes:
+            reps = repeats[mode.name]
+            rates = [r[0] for r in reps]
+            rate, decode_rate, requests, rounds = reps[sorted(range(len(reps)), key=lambda i: rates[i])[(len(reps) - 1) // 2]]
+            out[mode.name] = RunMeasure(prompts[0].workload, mode.name, concurrency, rate, decode_rate,
+                                        tuple(rates), tuple(requests), tuple(rounds) if concurrency == 1 else ())
+        return out
 
-    def _repeat(self, coordinator, observer, batch, mode, concurrency):
-        requests: list[RequestMeasure] = []
-        wall = 0.0
-        for start in range(0, len(batch), concurrency):
-            wave = batch[start : start + concurrency]
-            t0 = time.perf_counter()
-            results = coordinator.generate_many_sync([self._request(p, mode) for p in wave])
-            wall += time.perf_counter() - t0
-            for prompt, result in zip(wave, results):
-                if result.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"{prompt.name}: finished with {result.finish_reason!r}")
-                requests.append(_measure(prompt, result))
-        tokens = sum(r.output_tokens for r in requests)
-        decode_s = sum(r.decode_s for r in requests)
-        decode_rate = sum(max(0, r.output_tokens - 1) for r in requests) / decode_s if decode_s > 0 else 0.0
-        return tokens / wall, decode_rate, requests, list(observer.rounds)
+
+def _rates(requests: list[RequestMeasure], wall: float) -> tuple[float, float, list[RequestMeasure]]:
+    """(tokens/s over wall time, decode tokens/s, requests)."""
+    tokens = sum(r.output_tokens for r in requests)
+    decode_s = sum(r.decode_s for r in requests)
+    decode_rate = sum(max(0, r.output_tokens - 1) for r in requests) / decode_s if decode_s > 0 else 0.0
+    return tokens / wall if wall > 0 else 0.0, decode_rate, requests
 
 
 def _measure(prompt: Prompt, result) -> RequestMeasure:

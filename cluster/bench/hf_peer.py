@@ -6,16 +6,14 @@ is the target itself, so that figure measures assisted generation's overhead at 
 The model is the converted cache directory of the source (`actors.loading.resolve`), loaded by transformers
 itself, so HF runs its own modelling code, not ours.
 
-tokens/s of a mode is Σ new tokens / Σ `generate` seconds over the prompts (prefill included, like specserve's
-e2e figure); the median over repeats after one warm-up call.
+`generate` returns one call's new tokens and seconds (prefill included, like specserve's e2e figure);
+`cluster.bench.sections.hf_peer` interleaves the calls with specserve's own, prompt by prompt.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -26,24 +24,10 @@ log = logging.getLogger(__name__)
 HF_MODES = ("plain", "prompt_lookup_3", "prompt_lookup_10", "assistant")
 
 
-@dataclass(frozen=True)
-class PeerMeasure:
-    workload: str
-    mode: str
-    tokens_per_s: float  # median over repeats
-    repeat_tokens_per_s: tuple[float, ...]
-    token_ids: tuple[tuple[int, ...], ...]  # per prompt, from the last repeat
-
-    def summary(self) -> dict:
-        return {"workload": self.workload, "mode": self.mode, "tokens_per_s": self.tokens_per_s,
-                "repeat_tokens_per_s": list(self.repeat_tokens_per_s),
-                "output_tokens": sum(len(t) for t in self.token_ids)}
-
-
 class HFPeer:
     """transformers `generate` over a Hugging Face directory; the assistant copy is loaded on first use."""
 
-    def __init__(self, directory, *, max_tokens: int, eos_token_ids, repeats: int = 1):
+    def __init__(self, directory, *, max_tokens: int, eos_token_ids):
         from transformers import AutoModelForCausalLM
 
         if max_tokens < 1:
@@ -52,7 +36,6 @@ class HFPeer:
         self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
         self.max_tokens = max_tokens
         self.eos = list(eos_token_ids)
-        self.repeats = repeats
         self._assistant = None
 
     def _assistant_model(self):
@@ -85,13 +68,3 @@ class HFPeer:
         if new and new[-1] in self.eos:  # specserve does not count the EOS token it stops on
             new = new[:-1]
         return tuple(new), seconds
-
-    def run(self, prompts: list[Prompt], mode: str, warmup: int = 1) -> PeerMeasure:
-        for prompt in prompts[:warmup]:
-            self.generate(prompt, mode)
-        rates, tokens = [], ()
-        for _ in range(self.repeats):
-            outs = [self.generate(p, mode) for p in prompts]
-            tokens = tuple(t for t, _ in outs)
-            rates.append(sum(len(t) for t in tokens) / sum(s for _, s in outs))
-        return PeerMeasure(prompts[0].workload, mode, statistics.median(rates), tuple(rates), tokens)

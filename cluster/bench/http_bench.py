@@ -57,7 +57,8 @@ def bench_config(config, *, name: str, fixed_gamma: int | None, port: int):
 
 
 class ServedApp:
-    """A local Ray cluster with Serve's HTTP proxy on 127.0.0.1:`port`; `deploy` replaces the running app."""
+    """Serve's HTTP proxy on 127.0.0.1:`port`, on a local Ray cluster started here unless one is already
+    initialized in this process; `deploy` replaces the running benchmark app."""
 
     def __init__(self, port: int = 8765, num_cpus: int | None = None):
         self.port = port
@@ -75,8 +76,10 @@ class ServedApp:
         import ray
         from ray import serve
 
-        ray.init(address="local", num_cpus=self.num_cpus or os.cpu_count() or 2, include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address="local", num_cpus=self.num_cpus or os.cpu_count() or 2, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         return self
 
@@ -114,7 +117,8 @@ class ServedApp:
         try:
             serve.shutdown()
         finally:
-            ray.shutdown()
+            if self._owns_ray:
+                ray.shutdown()
 
 
 async def _complete(client, url: str, model: str, prompt: Prompt, max_tokens: int, speculate: bool):
@@ -127,6 +131,17 @@ async def _complete(client, url: str, model: str, prompt: Prompt, max_tokens: in
         raise RuntimeError(f"{prompt.name}: HTTP {response.status_code}: {response.text[:300]}")
     usage = response.json()["usage"]
     return usage["completion_tokens"], seconds
+
+
+def complete_sync(app: ServedApp, prompt: Prompt, max_tokens: int, speculate: bool = True) -> tuple[int, float]:
+    """One request, blocking: (completion tokens, seconds)."""
+    import httpx
+
+    async def one():
+        async with httpx.AsyncClient(timeout=600) as client:
+            return await _complete(client, app.url, app.served_name, prompt, max_tokens, speculate)
+
+    return asyncio.run(one())
 
 
 def measure(app: ServedApp, prompts: list[Prompt], *, mode: str, concurrency: int, max_tokens: int,

@@ -190,8 +190,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         for w in plan.workloads:
             settings = _asd_settings(config, plan, w)
             if settings:
-                results["asd"][w] = section(f"asd/{w}", lambda: sections.asd(bench, prompts[w], settings,
-                                                                              results["single"][w]))
+                results["asd"][w] = section(f"asd/{w}", lambda: sections.asd(
+                    bench, prompts[w], settings, results["single"][w]["target_only_token_ids"]))
     if "hf" not in skip:
         from actors.loading import resolve
         from cluster.bench.hf_peer import HFPeer
@@ -202,13 +202,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 nonlocal peer
                 if peer is None:
                     peer = HFPeer(resolve(target.source), max_tokens=plan.max_tokens,
-                                  eos_token_ids=info["eos_token_ids"], repeats=plan.repeats)
-                return sections.hf_peer(peer, prompts[w], plan.hf_modes, results["single"][w]["target_only_token_ids"])
+                                  eos_token_ids=info["eos_token_ids"])
+                return sections.hf_peer(bench, peer, prompts[w], plan.hf_modes,
+                                        results["single"][w]["target_only_token_ids"])
             results["hf"][w] = section(f"hf/{w}", make)
     if "http" not in skip:
         w = plan.http_workload
         best = results["single"][w]["gamma_sweep"]["best_fixed_gamma"]
-        results["http"] = section("http", lambda: sections.http(config, prompts[w], plan, best, args.port))
+        results["http"] = section("http", lambda: sections.http(bench, config, prompts[w], plan, best,
+                                                                  args.port))
     progress.step("done")
 
     from cluster.bench.summary import build_summary, judge

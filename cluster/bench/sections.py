@@ -26,18 +26,11 @@ log = logging.getLogger("specserve.bench")
 
 
 def _sweep(bench: InProcessBench, prompts: list[Prompt], gammas, concurrency: int) -> dict[str, RunMeasure]:
-    """target-only, fixed γ (γ = 0 *is* the target-only run: same code path), then adaptive (warmed up)."""
-    runs: dict[str, RunMeasure] = {}
-    runs["target_only"] = bench.run(prompts, TARGET_ONLY, concurrency, warmup=0)
-    log.info("  %s c=%d target_only: %.2f tok/s", prompts[0].workload, concurrency, runs["target_only"].tokens_per_s)
-    for gamma in gammas:
-        if gamma == 0:
-            continue
-        runs[f"fixed_{gamma}"] = bench.run(prompts, fixed(gamma), concurrency, warmup=0)
-        log.info("  %s c=%d fixed_%d: %.2f tok/s", prompts[0].workload, concurrency, gamma,
-                 runs[f"fixed_{gamma}"].tokens_per_s)
-    runs["adaptive"] = bench.run(prompts, ADAPTIVE, concurrency, warmup=1)
-    log.info("  %s c=%d adaptive: %.2f tok/s", prompts[0].workload, concurrency, runs["adaptive"].tokens_per_s)
+    """target-only, fixed γ (γ = 0 *is* the target-only run: same code path) and adaptive, interleaved."""
+    modes = [TARGET_ONLY] + [fixed(g) for g in gammas if g != 0] + [ADAPTIVE]
+    runs = bench.sweep(prompts, modes, concurrency)
+    log.info("  %s c=%d: %s", prompts[0].workload, concurrency,
+             ", ".join(f"{name} {run.tokens_per_s:.2f}" for name, run in runs.items()) + " tok/s")
     return runs
 
 
@@ -89,28 +82,33 @@ def batched(bench: InProcessBench, prompts: list[Prompt], plan: BenchPlan) -> di
 
 
 def asd(bench: InProcessBench, prompts: list[Prompt], settings: list[tuple[str, ASDSetting]],
-        exact: dict) -> dict:
-    """ASD arms (adaptive γ) against the exact arm's adaptive run and target-only tokens in `exact`
-    (a `single_stream` section)."""
-    reference = [tuple(t) for t in exact["target_only_token_ids"]]
-    exact_run = exact["runs"]["adaptive"]
+        reference: list[list[int]]) -> dict:
+    """ASD arms (adaptive γ) interleaved with the exact arm (adaptive γ); divergence against `reference`, the
+    target-only greedy tokens."""
+    modes = [ADAPTIVE] + [
+        Mode(f"asd_{label}", arm=ArmSpec(label, "asd", ASDConfig(g=s.g, max_relaxed_per_block=s.max_relaxed_per_block,
+                                                               budget=s.budget)))
+        for label, s in settings]
+    runs = bench.sweep(prompts, modes, 1)
+    exact = runs["adaptive"]
+    exact_summary = exact.summary()
     rows = []
-    for label, setting in settings:
-        arm = ArmSpec(label, "asd", ASDConfig(g=setting.g, max_relaxed_per_block=setting.max_relaxed_per_block,
-                                              budget=setting.budget))
-        run = bench.run(prompts, Mode(f"asd_{label}", arm=arm), 1, warmup=1)
+    for (label, setting), mode in zip(settings, modes[1:]):
+        run = runs[mode.name]
         outputs = [r.token_ids for r in run.requests]
-        agreement = [common_prefix_length(o, ref) / max(1, len(ref)) for o, ref in zip(outputs, reference)]
+        refs = [tuple(t) for t in reference]
+        agreement = [common_prefix_length(o, ref) / max(1, len(ref)) for o, ref in zip(outputs, refs)]
         summary = run.summary()
         row = {
             "setting": label, **setting.model_dump(),
             "tokens_per_s": run.tokens_per_s,
-            "vs_exact": run.tokens_per_s / exact_run["tokens_per_s"] if exact_run["tokens_per_s"] else None,
+            "exact_tokens_per_s": exact.tokens_per_s,
+            "vs_exact": run.tokens_per_s / exact.tokens_per_s if exact.tokens_per_s else None,
             "mean_accepted_length": summary["mean_accepted_length"],
-            "exact_mean_accepted_length": exact_run["mean_accepted_length"],
+            "exact_mean_accepted_length": exact_summary["mean_accepted_length"],
             "regret_spent_mean": summary.get("regret_spent_mean", 0.0),
             "relaxed_tokens": summary.get("relaxed_tokens", 0),
-            "exact_match_rate": statistics.fmean(o == ref for o, ref in zip(outputs, reference)),
+            "exact_match_rate": statistics.fmean(o == ref for o, ref in zip(outputs, refs)),
             "token_agreement": statistics.fmean(agreement),
         }
         log.info("  %s asd %s: %.2f tok/s (%.2fx exact), agreement %.2f", prompts[0].workload, label,
@@ -119,32 +117,61 @@ def asd(bench: InProcessBench, prompts: list[Prompt], settings: list[tuple[str, 
     return {"workload": prompts[0].workload, "settings": rows}
 
 
-def hf_peer(peer, prompts: list[Prompt], modes, reference: list[list[int]]) -> dict:
+def hf_peer(bench: InProcessBench, peer, prompts: list[Prompt], modes, reference: list[list[int]]) -> dict:
+    """HF modes interleaved prompt by prompt with specserve's adaptive run (the ratio's numerator)."""
+    ours = bench.runner(ADAPTIVE)
+    for prompt in prompts[: bench.warmup]:
+        ours.wave([prompt])
+        for mode in modes:
+            peer.generate(prompt, mode)
+    ours_rates, rates = [], {m: [] for m in modes}
+    outputs = {m: [] for m in modes}
+    for _ in range(bench.repeats):
+        ours_t = ours_s = 0.0
+        totals = {m: [0, 0.0] for m in modes}
+        for prompt in prompts:
+            (measure,), wall = ours.wave([prompt])
+            ours_t, ours_s = ours_t + measure.output_tokens, ours_s + wall
+            for mode in modes:
+                tokens, seconds = peer.generate(prompt, mode)
+                totals[mode][0] += len(tokens)
+                totals[mode][1] += seconds
+                outputs[mode].append(list(tokens))
+        ours_rates.append(ours_t / ours_s)
+        for mode in modes:
+            rates[mode].append(totals[mode][0] / totals[mode][1])
     rows = {}
     for mode in modes:
-        measure = peer.run(prompts, mode)
-        row = measure.summary()
-        row["identical_to_specserve"] = [list(t) for t in measure.token_ids] == reference
-        rows[mode] = row
-        log.info("  %s hf %s: %.2f tok/s", prompts[0].workload, mode, measure.tokens_per_s)
-    return {"workload": prompts[0].workload, "modes": rows}
+        last = outputs[mode][-len(prompts):]
+        rows[mode] = {"tokens_per_s": statistics.median(rates[mode]), "repeat_tokens_per_s": rates[mode],
+                      "output_tokens": sum(len(t) for t in last), "identical_to_specserve": last == reference}
+    lookup = [rows[m]["tokens_per_s"] for m in ("prompt_lookup_3", "prompt_lookup_10") if m in rows]
+    specserve = statistics.median(ours_rates)
+    log.info("  %s: specserve adaptive %.2f, %s tok/s", prompts[0].workload, specserve,
+             ", ".join(f"HF {m} {r['tokens_per_s']:.2f}" for m, r in rows.items()))
+    return {"workload": prompts[0].workload, "modes": rows, "specserve_adaptive_tokens_per_s": specserve,
+            "vs_best_prompt_lookup": specserve / max(lookup) if lookup else None}
 
 
-def http(config, prompts: list[Prompt], plan: BenchPlan, best_fixed_gamma: int, port: int) -> dict:
-    """The concurrency sweep through the Serve app (see cluster.bench.http_bench)."""
-    from cluster.bench.http_bench import ServedApp, bench_config, measure
+def http(bench: InProcessBench, config, prompts: list[Prompt], plan: BenchPlan, best_fixed_gamma: int,
+         port: int) -> dict:
+    """The concurrency sweep through the Serve app (see cluster.bench.http_bench), and single-stream HTTP vs
+    the in-process loop (adaptive γ), interleaved request by request."""
+    from cluster.bench.http_bench import ServedApp, bench_config, complete_sync, measure
 
-    deployments = []  # (mode, fixed γ of the deployment, speculate)
+    deployments = []  # (fixed γ of the deployment or None, policies served by it)
     if "adaptive" in plan.http_modes or "target_only" in plan.http_modes:
         deployments.append((None, [m for m in ("adaptive", "target_only") if m in plan.http_modes]))
     if "best_fixed" in plan.http_modes:
         deployments.append((best_fixed_gamma, ["best_fixed"]))
-    rows = []
+    rows, versus = [], None
     with ServedApp(port=port) as app:
         for gamma, modes in deployments:
             name = "bench-adaptive" if gamma is None else f"bench-fixed{gamma}"
             log.info("  http: deploying %s", name)
             app.deploy(bench_config(config, name=name, fixed_gamma=gamma, port=port))
+            if gamma is None and "adaptive" in modes:
+                versus = _http_vs_inprocess(bench, app, prompts, plan.max_tokens, complete_sync)
             for mode in modes:
                 for concurrency in plan.http_concurrency:
                     label = f"fixed_{gamma}" if mode == "best_fixed" else mode
@@ -153,4 +180,30 @@ def http(config, prompts: list[Prompt], plan: BenchPlan, best_fixed_gamma: int, 
                     log.info("  http %s c=%d: %.2f tok/s, p50 %.2fs", label, concurrency, m.tokens_per_s,
                              m.summary()["latency_p50_s"])
                     rows.append({**m.summary(), "policy": mode})
-    return {"workload": prompts[0].workload, "best_fixed_gamma": best_fixed_gamma, "rows": rows}
+    return {"workload": prompts[0].workload, "best_fixed_gamma": best_fixed_gamma, "rows": rows,
+            "single_stream": versus}
+
+
+def _http_vs_inprocess(bench: InProcessBench, app, prompts: list[Prompt], max_tokens: int, complete_sync) -> dict:
+    """Single stream, adaptive γ: each prompt in-process then over HTTP (both warmed up first), `repeats` times."""
+    ours = bench.runner(ADAPTIVE)
+    for prompt in prompts[: bench.warmup]:
+        ours.wave([prompt])
+        complete_sync(app, prompt, max_tokens)
+    local_rates, http_rates = [], []
+    for _ in range(bench.repeats):
+        local, remote = [0, 0.0], [0, 0.0]
+        for prompt in prompts:
+            (measure,), wall = ours.wave([prompt])
+            local[0] += measure.output_tokens
+            local[1] += wall
+            tokens, seconds = complete_sync(app, prompt, max_tokens)
+            remote[0] += tokens
+            remote[1] += seconds
+        local_rates.append(local[0] / local[1])
+        http_rates.append(remote[0] / remote[1])
+    out = {"inprocess_tokens_per_s": statistics.median(local_rates), "http_tokens_per_s": statistics.median(http_rates)}
+    out["ratio"] = out["http_tokens_per_s"] / out["inprocess_tokens_per_s"]
+    log.info("  http vs in-process, single stream: %.2f vs %.2f tok/s", out["http_tokens_per_s"],
+             out["inprocess_tokens_per_s"])
+    return out

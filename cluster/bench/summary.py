@@ -62,19 +62,13 @@ def build_summary(sections: dict) -> dict:
         out["asd_vs_exact"] = _clean({w: row["vs_exact"] for w, row in default.items()})
         out["asd_divergence"] = _clean({w: 1.0 - row["token_agreement"] for w, row in default.items()})
     hf = sections.get("hf", {})
-    if hf and single:
-        vs = {}
-        for w, h in hf.items():
-            lookup = [h["modes"][m]["tokens_per_s"] for m in ("prompt_lookup_3", "prompt_lookup_10") if m in h["modes"]]
-            if lookup and w in single:
-                vs[w] = _ratio(single[w]["runs"]["adaptive"]["tokens_per_s"], max(lookup))
-        out["vs_hf_assisted"] = _clean(vs)
+    if hf:
+        out["vs_hf_assisted"] = _clean({w: h.get("vs_best_prompt_lookup") for w, h in hf.items()})
     http = sections.get("http")
     if http:
         rows = {(r["policy"], r["concurrency"]): r["tokens_per_s"] for r in http["rows"]}
-        workload = http["workload"]
-        if ("adaptive", 1) in rows and workload in single:
-            out["http_vs_inprocess"] = _ratio(rows[("adaptive", 1)], single[workload]["runs"]["adaptive"]["tokens_per_s"])
+        if http.get("single_stream"):
+            out["http_vs_inprocess"] = http["single_stream"]["ratio"]
         if ("adaptive", 1) in rows and ("adaptive", 8) in rows:
             out["concurrency8_vs_1"] = _ratio(rows[("adaptive", 8)], rows[("adaptive", 1)])
     return {k: out[k] for k in SUMMARY_KEYS if k in out and out[k] is not None}
@@ -131,17 +125,20 @@ def _why(key: str, workload: str, sections: dict) -> str:
                 f"regret spent {_f(row.get('regret_spent_mean'))}/request: relaxing mismatches helps only where "
                 f"drafts are near-misses, and prompt-lookup drafts are mostly right or far off")
     if key == "vs_hf_assisted":
-        hf = (sections.get("hf", {}).get(workload) or {}).get("modes", {})
+        section = sections.get("hf", {}).get(workload) or {}
+        hf = section.get("modes", {})
         plain = hf.get("plain", {}).get("tokens_per_s")
         ours = runs.get("target_only", {}).get("tokens_per_s")
-        return (f"{tag}engines without speculation: specserve {_f(ours)} vs HF {_f(plain)} tok/s "
-                f"({_f(_ratio(ours, plain))}×); HF prompt lookup 3/10: "
-                f"{_f(hf.get('prompt_lookup_3', {}).get('tokens_per_s'))}/"
-                f"{_f(hf.get('prompt_lookup_10', {}).get('tokens_per_s'))} tok/s")
+        return (f"{tag}specserve adaptive {_f(section.get('specserve_adaptive_tokens_per_s'))} tok/s vs HF prompt "
+                f"lookup 3/10 {_f(hf.get('prompt_lookup_3', {}).get('tokens_per_s'))}/"
+                f"{_f(hf.get('prompt_lookup_10', {}).get('tokens_per_s'))}; engines without speculation: specserve "
+                f"{_f(ours)} vs HF {_f(plain)} tok/s, but in different runs")
     if key == "http_vs_inprocess":
         http = sections.get("http", {})
-        return (f"HTTP adds the Serve proxy, the ingress and the decoder replica hops per request, and runs the "
-                f"unit in a Ray worker competing for the same 2 cores (workload {http.get('workload')})")
+        one = http.get("single_stream") or {}
+        return (f"HTTP {_f(one.get('http_tokens_per_s'))} vs in-process {_f(one.get('inprocess_tokens_per_s'))} "
+                f"tok/s ({http.get('workload')}): HTTP adds the Serve proxy, the ingress and the replica hops, "
+                f"and the unit runs in a Ray worker (the target behind a TargetShard actor) on the same 2 cores")
     if key == "concurrency8_vs_1":
         return _batching_why(sections)
     return ""

@@ -97,3 +97,24 @@ def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
         p.name for p in out.iterdir()}
     # a resumed run reuses every stored section
     assert main(argv + ["--resume"]) == 0
+
+
+@pytest.mark.slow
+def test_http_section_measures_the_served_app(tiny_config, tmp_path):
+    import torch
+
+    from cluster.bench.run import main
+
+    out = tmp_path / "bench"
+    argv = ["--quick", "--out", str(out), "--skip", "batched,asd,hf", "--workloads", "code", "--prompts", "2",
+            "--max-tokens", "6", "--port", "8791", str(tiny_config)]
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(1)
+    results = json.loads((out / "results.json").read_text())
+    assert {"http_vs_inprocess", "concurrency8_vs_1"} <= set(results["summary"])
+    rows = results["sections"]["http"]["rows"]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [("adaptive", 1), ("adaptive", 8)]
+    assert all(r["tokens_per_s"] > 0 and r["latency_p95_s"] >= r["latency_p50_s"] for r in rows)
+    assert (out / "concurrency.png").is_file()
