@@ -103,7 +103,8 @@ def serve_config(cfg: SpecServeConfig) -> dict[str, Any]:
     inline = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"host": "0.0.0.0"})})
     return {
         "proxy_location": "HeadOnly",
-        "http_options": {"host": "0.0.0.0", "port": cfg.serving.port},
+        "http_options": {"host": "0.0.0.0", "port": cfg.serving.port,
+                         "request_timeout_s": cfg.serving.request_timeout_s},
         "applications": [
             {
                 "name": cfg.name,
