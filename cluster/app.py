@@ -17,7 +17,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from cluster.config import SpecServeConfig, dump_config, load_config, parse_config
+from cluster.config import SpecServeConfig, dump_config, load_config, parse_config, validate_models
 from cluster.decoder import DecoderUnit
 from cluster.ingress import OpenAIIngress
 
@@ -73,6 +73,7 @@ def build_app(args: dict[str, Any]) -> Application:
     if "config" not in args:
         raise ValueError("args: 'config' (a YAML path or an inline config mapping) is required")
     config = resolve_config(args["config"])
+    validate_models(config)  # vocabularies, TP vs heads, context: from the models' config files only
     dumped = dump_config(config)
     decoder = serve.deployment(DecoderUnit).options(**decoder_options(config))
     ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))

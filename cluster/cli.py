@@ -32,19 +32,21 @@ logger = logging.getLogger("specserve")
 
 
 def _start_ray(address: str | None) -> bool:
-    """Connect to the Ray cluster at `address` (or RAY_ADDRESS) when one is given, else start a private local
-    one sized to this machine. True when this process started it (and so must stop it).
-
-    A cluster is never joined by auto-detection: on a shared machine that would deploy into (and die with)
-    somebody else's cluster."""
+    """Join the Ray cluster at `address` (or RAY_ADDRESS), else a running local one (`ray start`), else start
+    one sized to this machine. `address="local"` always starts a private one. True when this process started
+    the cluster (and so must stop it)."""
     import ray
 
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-        return False
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if address != "local":
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+            return False
+        except ConnectionError:
+            if address != "auto":
+                raise
     ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level=logging.WARNING)
     return True
 
@@ -76,7 +78,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             pass
         print("specserve: stopping", flush=True)
     finally:
-        serve.shutdown()
+        if started_ray:
+            serve.shutdown()
+        else:  # a shared cluster: remove only our application
+            serve.delete(config.name)
         _kill_app_actors(config.name)
         if started_ray:
             ray.shutdown()
@@ -119,6 +124,9 @@ def generate_once(config, prompt: str, *, chat: bool = False, max_tokens: int | 
     from cluster.decoder import DecodeJob, Finished, decode_events, policy_kwargs, unit_kwargs
     from cluster.protocol import resolve_max_tokens, usage_body
 
+    from cluster.config import validate_models
+
+    validate_models(config)
     tokenizer = load_tokenizer(config.target.source)
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
@@ -241,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="bind address (default: serving.host of the config)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default: serving.port of the config)")
     serve.add_argument("--address", default=None,
-                       help="join this Ray cluster (default: RAY_ADDRESS, else start a local one)")
+                       help="join this Ray cluster; 'local' starts a private one (default: RAY_ADDRESS, "
+                            "else a running local cluster, else a new one)")
     serve.set_defaults(handler=cmd_serve)
 
     gen = commands.add_parser("generate", help="decode one prompt in-process (no Ray)")

@@ -103,7 +103,8 @@ def test_serve_starts_answers_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
         port = s.getsockname()[1]
     config = tiny_local_config(tiny_llama_dir, tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", config, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", config, "--port", str(port),
+                             "--address", "local"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         deadline = time.time() + 240
