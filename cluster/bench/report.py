@@ -66,6 +66,11 @@ def markdown(results: dict, plots: list[str]) -> str:
                           ", ".join(f"{k}: {x:.2f}" for k, x in f["v"].items() if k != "0") or "–",
                           f["predicted"], f["realized"], _fmt((f.get("round_time_share") or {}).get("orchestration"), ".1%")]
                          for w, f in ((w, s["fit"]["adaptive"]) for w, s in single.items())])
+        stalled = {w: sum(f.get("stalled_rounds", 0) for f in s["fit"].values()) for w, s in single.items()}
+        rounds = {w: sum(f.get("rounds", 0) or 0 for f in s["fit"].values()) for w, s in single.items()}
+        lines += ["", "Stalled rounds (score time > 5 × a plain step: the CPU was taken by other processes), "
+                  "all modes: " + ", ".join(f"{w} {stalled[w]}/{rounds[w]}" for w in single)
+                  + ". Figures from a run with stalls are noisy; take final figures on a quiet machine."]
     batched = sections.get("batched", {})
     if batched:
         lines += ["", "## Under load: in-process concurrency sweep of γ (aggregate tokens/s)", ""]

@@ -12,6 +12,9 @@ drafter actually proposed in round r (prompt lookup often proposes fewer than γ
 this is S(γ) of the design. **Realized** is decode tokens/s of the run over that of target-only decoding (prefill
 excluded, as the model has no prefill). realized / predicted < 1 measures what the model leaves out: per-round
 orchestration and verification, and acceptance that is not i.i.d.
+
+**Stalled rounds**: rounds whose score time exceeds `STALL_FACTOR`·t1 (scoring 9 tokens costs about 2·t1 on
+this CPU). They come from other processes taking the CPU, not from the model; a run with many is noisy.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Sequence
 
 from actors.stats import RoundRecord
 from policies.gamma import expected_tokens
+
+STALL_FACTOR = 5.0
 
 
 def _single_rows(rounds: Sequence[RoundRecord]) -> list[tuple[RoundRecord, int, int]]:
@@ -102,7 +107,8 @@ def fit(run_rounds: Sequence[RoundRecord], target_only_rounds: Sequence[RoundRec
     orchestration = sum(r.orchestration_s for r, _, _ in rows)
     return {
         "t1_s": t1, "alpha": alpha, "c": c, "v": {str(k): x for k, x in v.items()}, "predicted": predicted,
-        "rounds": len(rows), "mean_drafted": statistics.fmean(k for _, k, _ in rows) if rows else None,
+        "rounds": len(rows), "stalled_rounds": sum(r.score_s > STALL_FACTOR * t1 for r, _, _ in rows),
+        "mean_drafted": statistics.fmean(k for _, k, _ in rows) if rows else None,
         "round_time_share": {
             "draft": totals["draft_s"] / totals["total_s"] if totals["total_s"] else None,
             "score": totals["score_s"] / totals["total_s"] if totals["total_s"] else None,
