@@ -25,88 +25,19 @@ from typing import AsyncIterator, Sequence
 
 import torch
 
-from actors.drafters import DraftBatch, DraftRequest, SamplingSpec
+from actors.drafters import DraftBatch, DraftRequest
 from actors.policy_actor import ASDBatch, RoundReport, RowKey
+from actors.requests import EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
 from actors.stats import LoopObserver, NullObserver, RequestRecord, RoundRecord, RowRecord
 from actors.target import NO_CROP, TargetBatch
 from policies import PAD_TOKEN_ID, Verdict
-from policies.asd import ASDConfig
 from policies.exact import verify_greedy_scores
 from policies.scores import TargetScores
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-
-    def spec(self) -> SamplingSpec:
-        top_p = None if self.top_p >= 1.0 else self.top_p
-        return SamplingSpec(self.temperature, self.top_k, top_p, self.seed)
-
-
-@dataclass(frozen=True)
-class ArmSpec:
-    """A verification setting traffic is routed to. ASD applies to greedy requests; sampled requests on an
-    ASD arm are verified exactly (ASD is defined for greedy decoding only)."""
-
-    name: str
-    verification: str = "exact"  # "exact" | "asd"
-    asd: ASDConfig | None = None
-
-    def __post_init__(self):
-        if self.verification not in ("exact", "asd"):
-            raise ValueError(f"verification must be 'exact' or 'asd', got {self.verification!r}")
-        if self.verification == "asd" and self.asd is None:
-            raise ValueError(f"arm {self.name!r}: verification 'asd' needs an asd config")
-
-
-EXACT = ArmSpec("exact")
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    prompt_ids: Sequence[int]
-    params: SamplingParams
-    arm: ArmSpec = EXACT
-    speculate: bool = True  # False: target-only decoding (γ = 0 every round)
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on the last chunk
-    record: RequestRecord | None = None  # on the last chunk
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    token_ids: list[int]
-    finish_reason: str
-    record: RequestRecord | None
-
-
-class UnitError(RuntimeError):
-    """A request failed because a part of its unit (a target shard) failed."""
+__all__ = ["Coordinator", "ArmSpec", "EXACT", "GenerationChunk", "GenerationRequest", "GenerationResult",
+           "SamplingParams"]
 
 
 @dataclass
@@ -149,7 +80,7 @@ class Coordinator:
 
     def __init__(self, *, target, drafter, policy, eos_token_ids: Sequence[int] = (), max_seq_len: int = 2048,
                  max_batch_size: int = 64, unit: str = "local", observer: LoopObserver | None = None,
-                 clock=time.time, drafter_is_remote: bool = False, vocab_size: int | None = None):
+                 clock=time.time, vocab_size: int | None = None):
         self.target = target
         self.drafter = drafter
         self.policy = policy
@@ -160,7 +91,6 @@ class Coordinator:
         self.unit = unit
         self.observer = observer or NullObserver()
         self.clock = clock
-        self.drafter_is_remote = drafter_is_remote
         self.degraded = False
         self._drafter_recovery: asyncio.Future | None = None
         self._waiting: list[_Sequence] = []

@@ -43,6 +43,26 @@ class SamplingSpec:
 GREEDY = SamplingSpec()
 
 
+class SeededGenerators:
+    """One `torch.Generator` per seeded sequence, so a seeded request draws the same numbers in any batch.
+
+    `salt` separates streams that share a seed (the drafter's from the target's)."""
+
+    def __init__(self, salt: int = 0):
+        self.salt = salt
+        self._by_seq: dict[str, torch.Generator] = {}
+
+    def get(self, seq_id: str, spec: SamplingSpec) -> torch.Generator | None:
+        if spec.seed is None:
+            return None
+        if seq_id not in self._by_seq:
+            self._by_seq[seq_id] = torch.Generator().manual_seed(spec.seed ^ self.salt)
+        return self._by_seq[seq_id]
+
+    def release(self, seq_id: str) -> None:
+        self._by_seq.pop(seq_id, None)
+
+
 @dataclass(frozen=True)
 class DraftRequest:
     seq_id: str
@@ -143,16 +163,7 @@ class ModelDrafter:
         self.engine = engine
         self.name = name
         self._cached: dict[str, list[int]] = {}  # tokens whose KV sits in the engine, per sequence
-        self._generators: dict[str, torch.Generator] = {}
-
-    def _generator(self, seq_id: str, spec: SamplingSpec) -> torch.Generator | None:
-        if spec.seed is None:
-            return None
-        if seq_id not in self._generators:
-            gen = torch.Generator()
-            gen.manual_seed(spec.seed ^ 0x5EED)  # distinct from the target's stream, same seed → same drafts
-            self._generators[seq_id] = gen
-        return self._generators[seq_id]
+        self._generators = SeededGenerators(salt=0x5EED)
 
     def _sync(self, seq_id: str, context: Sequence[int]) -> list[int]:
         """Crop the cache to the common prefix with context; return the tokens to feed (never empty)."""
@@ -191,7 +202,7 @@ class ModelDrafter:
                         qs[i].append(torch.nn.functional.one_hot(torch.tensor(token), z.shape[-1]).float())
                 else:
                     q = process_logits(z[j : j + 1], spec.temperature, spec.top_k, spec.top_p)[0]  # [V]
-                    token = int(torch.multinomial(q, 1, generator=self._generator(requests[i].seq_id, spec)))
+                    token = int(torch.multinomial(q, 1, generator=self._generators.get(requests[i].seq_id, spec)))
                     qs[i].append(q)
                 rows[i].append(token)
                 self._cached[requests[i].seq_id].append(token)
@@ -217,7 +228,7 @@ class ModelDrafter:
     def release(self, seq_id: str) -> None:
         if self._cached.pop(seq_id, None) is not None:
             self.engine.release(seq_id)
-        self._generators.pop(seq_id, None)
+        self._generators.release(seq_id)
 
     def active_ids(self) -> list[str]:
         return list(self._cached)

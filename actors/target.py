@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.drafters import SamplingSpec
+from actors.drafters import SamplingSpec, SeededGenerators
 from policies import PAD_TOKEN_ID
 from policies.exact import process_logits, verify_sampled
 from policies.scores import TargetScores, compact_scores
@@ -55,24 +55,15 @@ class TargetStep:
     """Post-processing next to the logits; owns the per-sequence generators of seeded sampled rows."""
 
     def __init__(self):
-        self._generators: dict[str, torch.Generator] = {}
-
-    def _generator(self, seq_id: str, spec: SamplingSpec) -> torch.Generator | None:
-        if spec.seed is None:
-            return None
-        if seq_id not in self._generators:
-            gen = torch.Generator()
-            gen.manual_seed(spec.seed)
-            self._generators[seq_id] = gen
-        return self._generators[seq_id]
+        self._generators = SeededGenerators()
 
     def _generators_for(self, seq_id: str, spec: SamplingSpec) -> list[torch.Generator] | None:
         # a list of one: the row draws exactly K_b + 1 uniforms, whatever the batch's widest block
-        gen = self._generator(seq_id, spec)
+        gen = self._generators.get(seq_id, spec)
         return None if gen is None else [gen]
 
     def release(self, seq_id: str) -> None:
-        self._generators.pop(seq_id, None)
+        self._generators.release(seq_id)
 
     def __call__(self, logits: torch.Tensor, batch: TargetBatch) -> TargetResult:
         # logits: [B, T, V] from `num_logits(batch)`: row b's scored positions first

@@ -165,7 +165,7 @@ def _on_ray(unit, target_source, dtype, device, tp_size, max_slots, max_seq_len,
             lambda: actor.remote(drafter_source, dtype, device, max_slots, max_seq_len, torch_threads or 1)
         )
     coordinator = Coordinator(target=target, drafter=drafter, policy=RemotePolicy(policy),
-                              drafter_is_remote=drafter_kind == "model", **common)
+                              **common)
     return coordinator
 
 

@@ -23,6 +23,14 @@ from cluster.tracing import make_tracer_provider
 T0 = time.time()
 
 
+@pytest.fixture(autouse=True)
+def fresh_clock():
+    """Stamp each test's records 'now': the tracer takes times far from the wall clock for another clock's
+    and shifts them, which a long test session would otherwise trigger."""
+    global T0
+    T0 = time.time()
+
+
 def rounds_and_request(request_id="r1", arm="asd", unit="u0", other=None):
     """Two rounds of one request (γ=4 accepting 3 with one relaxed, then γ=2 accepting 2); the first round
     also batches `other` (request id, arm) when given."""
