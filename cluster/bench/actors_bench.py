@@ -5,13 +5,15 @@
 For each path (`inprocess`: `build_unit(on_ray=False)`; `ray`: `build_unit(on_ray=True)` with the target in a
 Ray actor and the policy actor) it decodes the same prompts target-only and speculatively (the config's
 drafter, adaptive γ) and reports tokens/s and the share of round time in draft, score, verify and
-**orchestration** (everything else in a round: plan pick-up, batching, actor calls' overhead, commits).
+**orchestration** (everything else in a round: plan pick-up, batching, policy calls, commits). The score phase
+is split further into the model forward (timed inside the target) and the rest (the actor call on Ray).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import logging
 import statistics
@@ -25,6 +27,33 @@ from cluster.bench.workloads import Prompt, load_workload
 log = logging.getLogger("specserve.bench")
 
 TORCH_THREADS = 2
+
+
+class TimedTarget:
+    """Wraps a unit's target to split each round's score time into the model forward (measured inside the
+    target: `TargetResult.forward_s`) and the rest: the actor call, (de)serialization, post-processing."""
+
+    def __init__(self, target):
+        self.target = target
+        self.forward_s: list[float] = []
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def step(self, batch):
+        result = self.target.step(batch)
+        if not inspect.isawaitable(result):
+            if not batch.prefill:
+                self.forward_s.append(result.forward_s)
+            return result
+
+        async def timed():
+            value = await result
+            if not batch.prefill:
+                self.forward_s.append(value.forward_s)
+            return value
+
+        return timed()
 
 
 def round_shares(rounds) -> dict:
@@ -52,9 +81,17 @@ def decode(coordinator, collector: RoundCollector, prompts: list[Prompt], max_to
 
     one(-1, prompts[0])
     collector.rounds.clear()
+    coordinator.target.forward_s.clear()
     outs = [one(i, p) for i, p in enumerate(prompts)]
-    return {"tokens_per_s": sum(n for n, _ in outs) / sum(s for _, s in outs), "tokens": sum(n for n, _ in outs),
-            **round_shares([r for r in collector.rounds if r.batch_size == 1])}
+    rounds = [r for r in collector.rounds if r.batch_size == 1]
+    forward = coordinator.target.forward_s  # one per round (prefill steps are not rounds)
+    out = {"tokens_per_s": sum(n for n, _ in outs) / sum(s for _, s in outs), "tokens": sum(n for n, _ in outs),
+           **round_shares(rounds)}
+    if rounds and forward:
+        # score time beyond the model forward: actor call, transfer, post-processing (per round, ms)
+        out["score_overhead_ms"] = 1000 * (sum(r.score_s for r in collector.rounds) - sum(forward)) / len(forward)
+        out["forward_ms"] = 1000 * statistics.fmean(forward)
+    return out
 
 
 def _unit_kwargs(config) -> dict:
@@ -85,10 +122,12 @@ def measure_path(config, prompts: list[Prompt], max_tokens: int, on_ray: bool) -
         policy, extra = PolicyCore(**_policy_kwargs(config)), {}
     coordinator = build_unit(unit=f"bench-{path}", policy=policy, observer=collector, on_ray=on_ray,
                              **_unit_kwargs(config), **extra)
+    coordinator.target = TimedTarget(coordinator.target)
     try:
         out = {mode: decode(coordinator, collector, prompts, max_tokens, mode == "speculative", f"{path}-{mode}")
                for mode in ("target_only", "speculative")}
     finally:
+        coordinator.target = coordinator.target.target
         close = getattr(coordinator, "close", None)
         if close is not None:
             asyncio.run(close())
@@ -126,14 +165,16 @@ def run(config_path: str, workload: str, prompts: int, max_tokens: int, ray_path
 
 
 def format_table(results: dict) -> str:
-    lines = [f"{'path':10} {'mode':12} {'tok/s':>7} {'round ms':>9} {'draft':>6} {'score':>6} {'verify':>7} {'orch':>6}"]
+    lines = [f"{'path':10} {'mode':12} {'tok/s':>7} {'round ms':>9} {'draft':>6} {'score':>6} {'verify':>7} {'orch':>6} "
+             f"{'forward ms':>10} {'score-forward ms':>16}"]
     for path in ("inprocess", "ray"):
         for mode in ("target_only", "speculative"):
             r = results.get(path, {}).get(mode)
             if r:
                 lines.append(f"{path:10} {mode:12} {r['tokens_per_s']:7.2f} {r.get('mean_round_ms', 0):9.1f} "
                              f"{r.get('draft', 0):6.1%} {r.get('score', 0):6.1%} {r.get('verify', 0):7.1%} "
-                             f"{r.get('orchestration', 0):6.1%}")
+                             f"{r.get('orchestration', 0):6.1%} {r.get('forward_ms', 0):10.1f} "
+                             f"{r.get('score_overhead_ms', 0):16.1f}")
     return "\n".join(lines)
 
 

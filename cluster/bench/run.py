@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"deployment config (default {DEFAULT_CONFIG})")
     parser.add_argument("--quick", action="store_true", help="the quick preset (< 5 min on 2 cores)")
-    parser.add_argument("--out", default=None, help="output folder (default bench-results/<preset>)")
+    parser.add_argument("--out", default=None, help="output folder (default bench-out/<preset>)")
     parser.add_argument("--resume", action="store_true", help="reuse sections stored by an earlier run of this plan")
     parser.add_argument("--skip", default="", help=f"comma-separated sections to skip: {', '.join(SECTIONS)}")
     parser.add_argument("--workloads", default=None, help="comma-separated workloads (default: all)")
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     unknown = skip - set(SECTIONS)
     if unknown:
         raise ValueError(f"--skip: unknown sections {sorted(unknown)} (known: {', '.join(SECTIONS)})")
-    out = Path(args.out or f"bench-results/{plan.name}")
+    out = Path(args.out or f"bench-out/{plan.name}")
     store = SectionStore(out / "sections", {"plan": plan.model_dump(mode="json"), "config": dump_config(config)},
                          args.resume)
     started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from cluster.bench.report import write_report
 
-    out = Path(args.out or f"bench-results/{results['meta']['plan']['name']}")
+    out = Path(args.out or f"bench-out/{results['meta']['plan']['name']}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     report = write_report(results, out)
