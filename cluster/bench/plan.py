@@ -49,7 +49,7 @@ class BenchPlan(BaseModel):
 QUICK = BenchPlan(
     name="quick", prompts=2, max_tokens=32, repeats=1, gammas=(0, 2, 4, 8),
     batched_workloads=("code",), batched_gammas=(0, 4),
-    asd_settings=(), asd_workloads=(),
+    asd_settings=(ASDSetting(g=8, max_relaxed_per_block=8, budget=1000),), asd_workloads=WORKLOADS,
     hf_modes=("plain", "prompt_lookup_3", "prompt_lookup_10"),
     http_concurrency=(1, 8), http_modes=("adaptive",),
 )

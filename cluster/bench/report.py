@@ -163,8 +163,10 @@ def plot(results: dict, out: Path) -> list[str]:
     if asd:
         fig, ax = plt.subplots(figsize=(5, 4))
         for w, a in asd.items():
-            rows = a["settings"]
-            ax.plot([1 - r["token_agreement"] for r in rows], [r["vs_exact"] for r in rows], marker="o", label=w)
+            rows = sorted(a["settings"], key=lambda r: 1 - r["token_agreement"])
+            # exact verification is the frontier's origin: no divergence, 1.0× its own speed
+            ax.plot([0.0] + [1 - r["token_agreement"] for r in rows], [1.0] + [r["vs_exact"] for r in rows],
+                    marker="o", label=w)
             for r in rows:
                 ax.annotate(r["setting"], (1 - r["token_agreement"], r["vs_exact"]), fontsize=6)
         ax.axhline(1.0, color="grey", linewidth=1)
