@@ -45,7 +45,9 @@ def markdown(results: dict, plots: list[str]) -> str:
              f"- model: {meta['model']}, drafter: {meta['drafter']}, torch threads {meta['torch_threads']}",
              f"- prompts per workload {meta['plan']['prompts']}, max_tokens {meta['plan']['max_tokens']}, "
              f"repeats {meta['plan']['repeats']} (median), seed {meta['plan']['seed']}",
-             f"- started {meta['started']}, took {_fmt(meta.get('elapsed_s'), '.0f')} s", "",
+             f"- started {meta['started']}, took {_fmt(meta.get('elapsed_s'), '.0f')} s"
+             + (f" ({len(meta['reused_sections'])} sections reused from an earlier run of the same plan)"
+                if meta.get("reused_sections") else ""), "",
              "## Goals", ""]
     lines += _table(["key", "goal", "measured", "met", "why (if missed)"],
                     [[g["key"], g["goal"], _value(g["value"]),

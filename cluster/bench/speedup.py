@@ -109,6 +109,7 @@ def fit(run_rounds: Sequence[RoundRecord], target_only_rounds: Sequence[RoundRec
         "t1_s": t1, "alpha": alpha, "c": c, "v": {str(k): x for k, x in v.items()}, "predicted": predicted,
         "rounds": len(rows), "stalled_rounds": sum(r.score_s > STALL_FACTOR * t1 for r, _, _ in rows),
         "mean_drafted": statistics.fmean(k for _, k, _ in rows) if rows else None,
+        "drafted_round_share": sum(k > 0 for _, k, _ in rows) / len(rows) if rows else None,
         "round_time_share": {
             "draft": totals["draft_s"] / totals["total_s"] if totals["total_s"] else None,
             "score": totals["score_s"] / totals["total_s"] if totals["total_s"] else None,

@@ -102,7 +102,8 @@ def _why(key: str, workload: str, sections: dict) -> str:
     if key == "spec_vs_target_only":
         best = single.get("gamma_sweep", {})
         share = fit.get("round_time_share") or {}
-        return (f"{tag}α = {_f(fit.get('alpha'))}, {_f(fit.get('mean_drafted'), '.1f')} drafts/round, "
+        return (f"{tag}prompt lookup drafted in {_f(fit.get('drafted_round_share'), '.0%')} of rounds, "
+                f"α = {_f(fit.get('alpha'))} there, {_f(fit.get('mean_drafted'), '.1f')} drafts/round, "
                 f"v = {_fmt_v(fit.get('v'))}: model predicts {_f(fit.get('predicted'))}×, realized "
                 f"{_f(fit.get('realized'))}× (decode); best fixed γ = {best.get('best_fixed_gamma')} reached "
                 f"{_f(_ratio(best.get('best_fixed_tokens_per_s'), best.get('target_only_tokens_per_s')))}×; "
@@ -122,8 +123,9 @@ def _why(key: str, workload: str, sections: dict) -> str:
         row = rows[0]
         return (f"{tag}accepted length {_f(row.get('mean_accepted_length'))} vs exact "
                 f"{_f(row.get('exact_mean_accepted_length'))}, {row.get('relaxed_tokens')} relaxed tokens, "
-                f"regret spent {_f(row.get('regret_spent_mean'))}/request: relaxing mismatches helps only where "
-                f"drafts are near-misses, and prompt-lookup drafts are mostly right or far off")
+                f"regret spent {_f(row.get('regret_spent_mean'))}/request, token agreement with exact "
+                f"{_f(row.get('token_agreement'))}: a relaxed token changes the continuation, and prompt lookup "
+                f"then matches the context less often than on the exact path")
     if key == "vs_hf_assisted":
         section = sections.get("hf", {}).get(workload) or {}
         hf = section.get("modes", {})
