@@ -41,6 +41,8 @@ class BenchPlan(BaseModel):
     asd_settings: tuple[ASDSetting, ...] = Field(description="ASD (g, M, B) settings besides the config's default arm.")
     asd_workloads: tuple[str, ...] = Field(description="Workloads of the ASD sweep beyond the default arm.")
     hf_modes: tuple[str, ...] = Field(description="Hugging Face peer modes (cluster.bench.hf_peer.HF_MODES).")
+    hf_assistant_workloads: tuple[str, ...] = Field(
+        (), description="Workloads that also run HF `assistant_model` (the target as its own assistant: slow).")
     http_workload: str = Field("code", description="Workload of the HTTP concurrency sweep.")
     http_concurrency: tuple[int, ...] = Field(description="Concurrency levels through the HTTP app.")
     http_modes: tuple[str, ...] = Field(description="'adaptive', 'best_fixed', 'target_only'.")
@@ -54,13 +56,14 @@ QUICK = BenchPlan(
     http_concurrency=(1, 8), http_modes=("adaptive",),
 )
 
+# Full, estimated on a quiet 2-core CPU: single ≈ 12 min, batched ≈ 4, ASD ≈ 6, HF ≈ 8, HTTP ≈ 5.
 FULL = BenchPlan(
-    name="full", prompts=6, max_tokens=96, repeats=3, gammas=(0, 1, 2, 4, 6, 8),
-    batched_workloads=("code", "edit"), batched_gammas=(0, 1, 2, 4, 6, 8),
+    name="full", prompts=4, max_tokens=64, repeats=3, gammas=(0, 1, 2, 4, 6, 8),
+    batched_workloads=("code",), batched_gammas=(0, 1, 2, 4, 6, 8),
     asd_settings=(ASDSetting(g=1, max_relaxed_per_block=1, budget=4), ASDSetting(g=4, max_relaxed_per_block=4, budget=32),
                   ASDSetting(g=8, max_relaxed_per_block=8, budget=1000)),
     asd_workloads=WORKLOADS,
-    hf_modes=("plain", "prompt_lookup_3", "prompt_lookup_10", "assistant"),
+    hf_modes=("plain", "prompt_lookup_3", "prompt_lookup_10"), hf_assistant_workloads=("code",),
     http_concurrency=(1, 2, 4, 8, 16), http_modes=("adaptive", "best_fixed", "target_only"),
 )
 

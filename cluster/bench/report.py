@@ -95,12 +95,12 @@ def markdown(results: dict, plots: list[str]) -> str:
                          for w, a in asd.items() for r in a["settings"]])
     hf = sections.get("hf", {})
     if hf:
-        modes = list(next(iter(hf.values()))["modes"])
+        modes = list(dict.fromkeys(m for h in hf.values() for m in h["modes"]))
         lines += ["", "## The peer: Hugging Face transformers `generate` (tokens/s, same prompts, greedy)", ""]
         lines += _table(["workload", "specserve target-only", "specserve adaptive"] + [f"HF {m}" for m in modes],
                         [[w, single.get(w, {}).get("runs", {}).get("target_only", {}).get("tokens_per_s"),
                           h["specserve_adaptive_tokens_per_s"]]
-                         + [h["modes"][m]["tokens_per_s"] for m in modes] for w, h in hf.items()])
+                         + [h["modes"].get(m, {}).get("tokens_per_s") for m in modes] for w, h in hf.items()])
         lines += ["", "specserve adaptive and the HF modes are interleaved prompt by prompt; specserve "
                   "target-only comes from the single-stream sweep."]
     http = sections.get("http")
@@ -178,10 +178,10 @@ def plot(results: dict, out: Path) -> list[str]:
         save(fig, "asd_frontier.png")
     hf = sections.get("hf", {})
     if hf and single:
-        modes = list(next(iter(hf.values()))["modes"])
+        modes = list(dict.fromkeys(m for h in hf.values() for m in h["modes"]))
         series = [("specserve target-only", lambda w: single[w]["runs"]["target_only"]["tokens_per_s"]),
                   ("specserve adaptive", lambda w: hf[w]["specserve_adaptive_tokens_per_s"])]
-        series += [(f"HF {m}", lambda w, m=m: hf[w]["modes"][m]["tokens_per_s"]) for m in modes]
+        series += [(f"HF {m}", lambda w, m=m: hf[w]["modes"].get(m, {}).get("tokens_per_s") or 0.0) for m in modes]
         workloads = [w for w in hf if w in single]
         fig, ax = plt.subplots(figsize=(8, 4))
         width = 0.8 / len(series)

@@ -55,6 +55,7 @@ def make_plan(args: argparse.Namespace) -> BenchPlan:
         update.update(workloads=workloads,
                       batched_workloads=tuple(w for w in plan.batched_workloads if w in workloads) or workloads[:1],
                       asd_workloads=tuple(w for w in plan.asd_workloads if w in workloads),
+                      hf_assistant_workloads=tuple(w for w in plan.hf_assistant_workloads if w in workloads),
                       http_workload=plan.http_workload if plan.http_workload in workloads else workloads[0])
     for field, value in (("prompts", args.prompts), ("max_tokens", args.max_tokens), ("repeats", args.repeats)):
         if value is not None:
@@ -222,8 +223,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 if peer is None:
                     peer = HFPeer(resolve(target.source), max_tokens=plan.max_tokens,
                                   eos_token_ids=info["eos_token_ids"])
-                return sections.hf_peer(bench, peer, prompts[w], plan.hf_modes,
-                                        results["single"][w]["target_only_token_ids"])
+                modes = plan.hf_modes + (("assistant",) if w in plan.hf_assistant_workloads else ())
+                return sections.hf_peer(bench, peer, prompts[w], modes, results["single"][w]["target_only_token_ids"])
             results["hf"][w] = section(f"hf/{w}", make)
     if "http" not in skip:
         w = plan.http_workload
