@@ -3,12 +3,12 @@ request is lost or cut while a unit is drained and removed."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import httpx
 import pytest
+from served_app import served_app
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +34,6 @@ def config(model_dir) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _running_units() -> int:
     from ray import serve
 
@@ -60,17 +54,8 @@ def _wait_for(predicate, timeout_s: float) -> bool:
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tiny_llama_dir):
-    from ray import serve
-
-    from cluster.app import build_app
-    from cluster.cli import _kill_app_actors
-
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"config": config(tiny_llama_dir)}), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.delete(APP)
-    _kill_app_actors(APP)
+    with served_app(config(tiny_llama_dir), APP) as url:
+        yield url
 
 
 def test_units_scale_up_under_a_burst_and_down_without_losing_requests(server):

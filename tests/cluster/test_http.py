@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from served_app import served_app
 
 pytestmark = pytest.mark.slow
 
@@ -49,25 +49,10 @@ def tiny_config(model_dir) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(ray_cluster, tiny_llama_dir):
-    from ray import serve
-
-    from cluster.app import build_app
-    from cluster.cli import _kill_app_actors
-
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"config": tiny_config(tiny_llama_dir)}), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    _kill_app_actors(APP)
+    with served_app(tiny_config(tiny_llama_dir), APP) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
