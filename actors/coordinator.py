@@ -251,13 +251,26 @@ class Coordinator:
             self._plan[seq.rid] = plan[b]
             await self._commit(seq, [token], accepted=0, drafted=0, is_round=False)
 
-    def _gamma(self, seq: _Sequence) -> int:
-        if not seq.request.speculate or self.drafter is None:
-            return 0
-        gamma = self._plan.get(seq.rid, 0)
-        left = seq.request.params.max_tokens - len(seq.output)
-        room = self.max_seq_len - len(seq.tokens)
-        return max(0, min(gamma, left - 1, room - 1))
+    def _gammas(self, rows: list[_Sequence]) -> list[int]:
+        """γ per row: the policy's plan, within what the row may still emit.
+
+        A batched forward is as wide as its widest row, so positions up to that width cost the target nothing
+        extra. With a drafter whose drafts are free (prompt lookup), every speculating row drafts up to the
+        round's width: the padding is spent on tokens that may be accepted instead of on nothing.
+        """
+        def limit(seq: _Sequence) -> int:
+            if not seq.request.speculate or self.drafter is None:
+                return 0
+            left = seq.request.params.max_tokens - len(seq.output)
+            room = self.max_seq_len - len(seq.tokens)
+            return max(0, min(left - 1, room - 1))
+
+        limits = [limit(s) for s in rows]
+        gammas = [min(self._plan.get(s.rid, 0), cap) for s, cap in zip(rows, limits)]
+        if getattr(self.drafter, "free_drafts", False):
+            width = max(gammas, default=0)
+            gammas = [min(width, cap) for cap in limits]
+        return gammas
 
     async def _draft(self, rows: list[_Sequence], gammas: list[int]) -> tuple[DraftBatch, float]:
         asks = [(i, DraftRequest(s.rid, s.tokens, g, s.request.params.spec()))
@@ -316,7 +329,7 @@ class Coordinator:
             _, plan = await _resolve(pending)
             self._update_plan(keys, plan)
         rows = list(self._active)
-        gammas = [self._gamma(s) for s in rows]
+        gammas = self._gammas(rows)
         draft, draft_s = await self._draft(rows, gammas)
         lens = draft.draft_lens.tolist()
         batch = TargetBatch(

@@ -123,6 +123,8 @@ def ngram_lookup(context: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
 class NgramDrafter:
     """Prompt-lookup drafter; stateless, so `release` has nothing to free. Greedy q is one-hot (probs None)."""
 
+    free_drafts = True  # a lookup costs microseconds: the coordinator may fill a round's width with drafts
+
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         if prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be >= 1, got {prompt_lookup_min}")

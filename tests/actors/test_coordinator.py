@@ -187,3 +187,24 @@ def test_bad_requests_raise_value_errors(tiny):
         coord.generate_sync(greedy("e", [10**9]))
     with pytest.raises(ValueError, match="max_seq_len"):
         coord.generate_sync(greedy("e", [1] * 300))
+
+
+def test_free_drafts_fill_the_round_width(tiny):
+    """A forward is as wide as its widest row: with prompt lookup every speculating row drafts up to that width
+    (within its own limits); target-only rows stay at 0, and a costly drafter keeps each row's own plan."""
+    from actors.coordinator import _Sequence
+
+    def rows(coord, specs):
+        out = []
+        for rid, speculate, max_tokens in specs:
+            req = GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens), speculate=speculate)
+            out.append(_Sequence(req, asyncio.Queue(), [1, 2, 3], 0.0))
+        return out
+
+    specs = [("a", True, 50), ("b", True, 50), ("c", False, 50), ("d", True, 3)]
+    coord = unit(tiny[0], NgramDrafter(1, 3))
+    coord._plan = {"a": 5, "b": 0, "c": 4, "d": 5}
+    assert coord._gammas(rows(coord, specs)) == [5, 5, 0, 2]  # d may emit 3 more: 2 drafts + 1
+    model_drafted = unit(tiny[0], ModelDrafter(Engine(tiny[1], max_slots=4, max_seq_len=256)))
+    model_drafted._plan = dict(coord._plan)
+    assert model_drafted._gammas(rows(model_drafted, specs)) == [5, 0, 0, 2]
