@@ -342,10 +342,12 @@ class Coordinator:
         result = await _resolve(self.target.step(batch))
         score_s = time.perf_counter() - t_score
         t_verify = time.perf_counter()
-        emitted, accepted, relaxed, regret = self._verify_local(rows, batch, result)
+        emitted, accepted = self._verify_local(rows, batch, result)
+        relaxed: dict[int, int] = {}
+        regret: dict[int, float] = {}
         asd_rows = [b for b, s in enumerate(rows) if s.asd]
         report = RoundReport(
-            rows=tuple((s.key(), lens[b], accepted.get(b, 0)) for b, s in enumerate(rows) if not s.asd),
+            rows=tuple((s.key(), lens[b], accepted[b]) for b, s in enumerate(rows) if not s.asd),
             batch_size=len(rows), draft_step_s=draft_s / max(1, max(lens)), score_s=result.forward_s or score_s,
             score_tokens=max(lens) + 1,
         )
@@ -415,7 +417,7 @@ class Coordinator:
                 emitted[b], accepted[b] = toks, int(verdict.num_accepted[j])
         for b, toks in result.sampled_tokens.items():
             emitted[b], accepted[b] = toks, result.sampled_accepted[b]
-        return emitted, accepted, {}, {}
+        return emitted, accepted
 
     async def _commit(self, seq: _Sequence, tokens: list[int], *, accepted: int, drafted: int,
                       is_round: bool = True) -> None:
