@@ -91,7 +91,6 @@ class Coordinator:
         self.unit = unit
         self.observer = observer or NullObserver()
         self.clock = clock
-        self.degraded = False
         self._drafter_recovery: asyncio.Future | None = None
         self._waiting: list[_Sequence] = []
         self._active: list[_Sequence] = []
@@ -288,7 +287,6 @@ class Coordinator:
             log.warning("unit %s: drafter failed (%s); target-only until it is back", self.unit, exc)
             recover = getattr(self.drafter, "recover", None)
             self._drafter_recovery = asyncio.ensure_future(recover()) if recover else None
-            self.degraded = True
             for i, _ in asks:
                 rows[i].degraded = True
             return DraftBatch.empty(len(rows)), time.perf_counter() - start
@@ -306,6 +304,11 @@ class Coordinator:
                 probs[i, : sub.draft_ids.shape[1]] = sub.draft_probs[j]
         return DraftBatch(ids, lens, probs), elapsed
 
+    @property
+    def degraded(self) -> bool:
+        """True while the drafter is down and rounds decode target-only."""
+        return self._drafter_recovery is not None
+
     def _drafter_ready(self) -> bool:
         """False while a failed drafter is being restarted; rounds meanwhile decode target-only."""
         recovery = self._drafter_recovery
@@ -319,7 +322,6 @@ class Coordinator:
             self._drafter_recovery = asyncio.ensure_future(self.drafter.recover())
             return False
         log.info("unit %s: drafter is back", self.unit)
-        self.degraded = False
         return True
 
     async def _round(self) -> None:
