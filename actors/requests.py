@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from actors.drafters import SamplingSpec
+from actors.sampling import SamplingSpec
 from actors.stats import RequestRecord
 from policies.asd import ASDConfig
 

@@ -22,6 +22,7 @@ class RoundRecord:
     verify_s: float  # verification incl. the ASD ledger charge
     total_s: float  # whole round; orchestration = total - draft - score - verify
     rows: tuple["RowRecord", ...] = ()
+    forward_s: float = 0.0  # the model forward inside the target; score_s - forward_s is the call around it
 
     @property
     def orchestration_s(self) -> float:

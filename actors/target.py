@@ -1,72 +1,57 @@
-"""The target's side of a round: feed tokens, then turn logits into something small enough to ship.
+"""The target's side of a round: commit, feed, and turn logits into something small enough to ship.
 
-One `TargetBatch` per round carries every active row of a unit: the crop that commits the previous round
-(rolled-back drafts never stay in the KV cache), the tokens to feed (the pending token plus the row's drafts,
-or a whole prompt at prefill), and how the row verifies. `TargetStep` runs where the logits are (in-process,
-or on tensor-parallel rank 0) and returns a `TargetResult`:
+`TargetStep` wraps an `Engine` and runs one `TargetBatch`: it crops each row's KV cache (rolling back last
+round's rejected drafts), feeds the pending token plus drafts (or the prompt), and, where the logits are
+(in-process, or tensor-parallel rank 0), returns a `TargetResult`:
 
 - greedy and ASD rows: compact scores (argmax id, its logit, the draft token's logit per position), ~100 bytes
   a row instead of (K+1)·V floats; verification happens in the coordinator / policy actor.
 - sampled rows: exact speculative sampling in place (`verify_sampled`), with the row's own generator, so no
   probability rows leave the process.
+
+`LocalTarget` is the in-process `TargetBackend`; `actors.remote.tp.TargetGroup` runs one `TargetStep` per
+tensor-parallel shard.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 
-from actors.drafters import SamplingSpec, SeededGenerators
-from policies import PAD_TOKEN_ID
+from actors.contracts import NO_CROP, Engine, TargetBatch, TargetResult
+from actors.sampling import SamplingSpec, SeededGenerators
 from policies.exact import process_logits, verify_sampled
-from policies.scores import TargetScores, compact_scores
-
-NO_CROP = -1
-
-
-@dataclass(frozen=True)
-class TargetBatch:
-    seq_ids: list[str]
-    crops: list[int]  # per row: KV length to keep before feeding, NO_CROP to keep all
-    tokens: list[list[int]]  # per row: pending token + drafts (or the prompt at prefill)
-    draft_ids: torch.Tensor  # [B, Kmax] long, PAD_TOKEN_ID beyond a row's drafts
-    draft_lens: torch.Tensor  # [B] long
-    sampling: list[SamplingSpec]  # per row
-    draft_probs: torch.Tensor | None = None  # [B, Kmax, V] q rows of a model drafter, None = one-hot q
-    prefill: bool = False  # rows are prompts: only the last position is scored
-
-
-@dataclass(frozen=True)
-class TargetResult:
-    scores: TargetScores  # compact scores, all rows (sampled rows' entries unused)
-    sampled_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> emitted tokens (sampled rows)
-    sampled_accepted: dict[int, int] = field(default_factory=dict)  # row -> draft tokens accepted
-    forward_s: float = 0.0  # model forward time inside the target
-
-
-def num_logits(batch: TargetBatch) -> list[int]:
-    """Logit rows each row needs: the last prompt position at prefill, pending + drafts otherwise."""
-    return [1] * len(batch.tokens) if batch.prefill else [len(t) for t in batch.tokens]
+from policies.scores import compact_scores
 
 
 class TargetStep:
-    """Post-processing next to the logits; owns the per-sequence generators of seeded sampled rows."""
+    """One target step over an `Engine`. `lead` (rank 0, or the only rank) post-processes the logits; other
+    tensor-parallel ranks run the same forward for its all-reduces and return None."""
 
-    def __init__(self):
+    def __init__(self, engine: Engine, lead: bool = True):
+        self.engine = engine
+        self.lead = lead
         self._generators = SeededGenerators()
 
-    def _generators_for(self, seq_id: str, spec: SamplingSpec) -> list[torch.Generator] | None:
-        # a list of one: the row draws exactly K_b + 1 uniforms, whatever the batch's widest block
-        gen = self._generators.get(seq_id, spec)
-        return None if gen is None else [gen]
+    def __call__(self, batch: TargetBatch) -> TargetResult | None:
+        engine = self.engine
+        for seq_id, crop in zip(batch.seq_ids, batch.crops):  # validate all before changing any
+            if crop != NO_CROP and not 0 <= crop <= engine.length(seq_id):
+                raise ValueError(f"crops: {crop} out of [0, {engine.length(seq_id)}] for {seq_id!r}")
+        for seq_id, crop in zip(batch.seq_ids, batch.crops):
+            if crop != NO_CROP:
+                engine.crop(seq_id, crop)
+        # only the lead's logits are used: the other ranks skip most of the lm_head
+        rows = batch.num_logits() if self.lead else [1] * len(batch.seq_ids)
+        start = time.perf_counter()
+        logits = engine.forward(batch.seq_ids, batch.tokens, rows)  # [B, T, V]
+        forward_s = time.perf_counter() - start
+        return self.postprocess(logits, batch, forward_s) if self.lead else None
 
-    def release(self, seq_id: str) -> None:
-        self._generators.release(seq_id)
-
-    def __call__(self, logits: torch.Tensor, batch: TargetBatch) -> TargetResult:
-        # logits: [B, T, V] from `num_logits(batch)`: row b's scored positions first
+    def postprocess(self, logits: torch.Tensor, batch: TargetBatch, forward_s: float = 0.0) -> TargetResult:
+        # logits: [B, T, V] from `batch.num_logits()`: row b's scored positions first
         k_max = batch.draft_ids.shape[1]
         if logits.shape[1] < k_max + 1:  # positions no row drafted: never read, padded for the block shape
             logits = torch.nn.functional.pad(logits, (0, 0, 0, k_max + 1 - logits.shape[1]))
@@ -80,44 +65,44 @@ class TargetStep:
             p = process_logits(rows[b : b + 1], spec.temperature, spec.top_k, spec.top_p)  # [1, Kmax+1, V]
             q = None if batch.draft_probs is None else batch.draft_probs[b : b + 1]  # [1, Kmax, V]
             verdict = verify_sampled(
-                batch.draft_ids[b : b + 1], q, p, generator=self._generators_for(batch.seq_ids[b], spec),
+                batch.draft_ids[b : b + 1], q, p, generator=self._generator(batch.seq_ids[b], spec),
                 draft_lens=batch.draft_lens[b : b + 1],
             )
             n = int(verdict.num_accepted[0])
             tokens[b] = verdict.tokens[0, : n + 1].tolist()
             accepted[b] = n
-        return TargetResult(scores=scores, sampled_tokens=tokens, sampled_accepted=accepted)
+        return TargetResult(scores, tokens, accepted, forward_s)
+
+    def _generator(self, seq_id: str, spec: SamplingSpec) -> list[torch.Generator] | None:
+        # a list of one: the row draws exactly K_b + 1 uniforms, whatever the batch's widest block
+        gen = self._generators.get(seq_id, spec)
+        return None if gen is None else [gen]
+
+    def release(self, seq_ids: Sequence[str]) -> None:
+        for seq_id in seq_ids:
+            self.engine.release(seq_id)  # unknown ids are ignored
+            self._generators.release(seq_id)
 
 
 class LocalTarget:
     """The target in the caller's process: one `Engine`, no tensor parallelism, no Ray."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self.postprocess = TargetStep()
+        self.run = TargetStep(engine)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
+    async def step(self, batch: TargetBatch) -> TargetResult:
+        return self.run(batch)
 
-    def step(self, batch: TargetBatch) -> TargetResult:
-        for seq_id, crop in zip(batch.seq_ids, batch.crops):
-            if crop != NO_CROP:
-                self.engine.crop(seq_id, crop)
-        start = time.perf_counter()
-        logits = self.engine.forward(batch.seq_ids, batch.tokens, num_logits(batch))  # [B, T, V]
-        forward_s = time.perf_counter() - start
-        result = self.postprocess(logits, batch)
-        return TargetResult(result.scores, result.sampled_tokens, result.sampled_accepted, forward_s)
+    async def release(self, seq_ids: Sequence[str]) -> None:
+        self.run.release(seq_ids)
 
-    def release(self, seq_ids: list[str]) -> None:
-        for seq_id in seq_ids:
-            if seq_id in self.engine.active_ids():
-                self.engine.release(seq_id)
-            self.postprocess.release(seq_id)
-
-    def active_ids(self) -> list[str]:
+    async def active_ids(self) -> list[str]:
         return list(self.engine.active_ids())
 
+    async def rebuild(self) -> None:
+        """An in-process engine fails only with a bug; drop every sequence so the next requests start clean."""
+        self.run.release(self.engine.active_ids())
 
-__all__ = ["NO_CROP", "PAD_TOKEN_ID", "TargetBatch", "TargetResult", "TargetStep", "LocalTarget"]
+    async def close(self) -> None:
+        pass

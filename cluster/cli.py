@@ -3,7 +3,7 @@
     specserve serve CONFIG [--host 127.0.0.1] [--port 8000]
     specserve generate CONFIG --prompt TEXT [--chat] [--max-tokens N] [--arm NAME] [--no-speculation] [--json]
     specserve status
-    specserve ab report ...            (cluster.report)
+    specserve ab report ...            (cluster.experiments.report)
     specserve render-k8s CONFIG [--image IMAGE] [--out PATH]
     specserve bench ...                (cluster.bench.run)
 
@@ -55,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app
+    from cluster.serving.app import build_app
     from cluster.config import dump_config, load_config
 
     config = load_config(args.config)
@@ -92,10 +92,10 @@ def _kill_app_actors(app_name: str) -> None:
     """The detached per-app actors (policy, telemetry hub) outlive Serve; stop them with the app."""
     import ray
 
-    from cluster.decoder import policy_actor_name
+    from cluster.serving.decoder import policy_actor_name
 
     try:
-        from cluster.telemetry import kill_hub
+        from cluster.observability.telemetry import kill_hub
 
         kill_hub(app_name)
     except Exception:
@@ -116,15 +116,12 @@ def generate_once(config, prompt: str, *, chat: bool = False, max_tokens: int | 
     Returns `{"text", "token_ids", "finish_reason", "usage": {prompt_tokens, completion_tokens, total_tokens,
     speculative}}`; `on_text(delta)` receives text as it is decoded.
     """
-    from actors.coordinator import SamplingParams
-    from actors.loading import load_tokenizer
-    from actors.policy_actor import PolicyCore
-    from actors.unit import build_unit
-    from cluster.ab import ArmRouter
-    from cluster.decoder import DecodeJob, Finished, decode_events, policy_kwargs, unit_kwargs
-    from cluster.protocol import resolve_max_tokens, usage_body
-
+    from actors.requests import SamplingParams
+    from actors.sources import load_tokenizer
     from cluster.config import validate_models
+    from cluster.experiments.ab import ArmRouter
+    from cluster.serving.decoder import DecodeJob, Finished, decode_events, local_unit
+    from cluster.serving.protocol import resolve_max_tokens, usage_body
 
     validate_models(config)
     tokenizer = load_tokenizer(config.target.source)
@@ -134,8 +131,7 @@ def generate_once(config, prompt: str, *, chat: bool = False, max_tokens: int | 
         prompt_ids = list(tokenizer.encode(text, add_special_tokens=False))
     else:
         prompt_ids = list(tokenizer.encode(prompt))
-    coordinator = build_unit(unit="cli", policy=PolicyCore(**policy_kwargs(config)), observer=None, on_ray=False,
-                             **unit_kwargs(config))
+    coordinator = local_unit(config, unit="cli")
     max_seq_len = config.target.max_seq_len or coordinator.max_seq_len
     serving = config.serving
     tokens = resolve_max_tokens(max_tokens, prompt_len=len(prompt_ids), default=serving.default_max_tokens,
@@ -222,7 +218,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_render_k8s(args: argparse.Namespace) -> int:
-    from cluster.k8s import render_to_file
+    from cluster.k8s.render import render_to_file
 
     out = render_to_file(args.config, image=args.image, out=args.out)
     print(f"wrote {out}")
@@ -268,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=cmd_status)
 
     # `ab report` and `bench` own their arguments (see DELEGATES); listed here for --help.
-    ab = commands.add_parser("ab", help="A/B experiments: `specserve ab report --help` (cluster.report)")
-    ab.set_defaults(handler=lambda a: _delegate("cluster.report", ["--help"]))
+    ab = commands.add_parser("ab", help="A/B experiments: `specserve ab report --help` (cluster.experiments.report)")
+    ab.set_defaults(handler=lambda a: _delegate("cluster.experiments.report", ["--help"]))
 
     k8s = commands.add_parser("render-k8s", help="render a KubeRay RayService manifest from a config")
     k8s.add_argument("config")
@@ -283,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands whose own parsers own every argument after them.
-DELEGATES = {("ab", "report"): "cluster.report", ("bench",): "cluster.bench.run"}
+DELEGATES = {("ab", "report"): "cluster.experiments.report", ("bench",): "cluster.bench.run"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,11 +42,6 @@ class ASDConfig:
         ge=0, allow_inf_nan=False, description="B: regret each request may spend in total (its ledger's budget)."
     )
 
-    @property
-    def relaxes(self) -> bool:
-        """Whether this setting can accept any mismatch at all."""
-        return self.g > 0 and self.max_relaxed_per_block > 0 and self.budget > 0
-
     def new_ledger(self, request_id: str | None = None) -> RegretLedger:
         """A fresh ledger with this arm's budget."""
         return RegretLedger(self.budget, request_id=request_id)

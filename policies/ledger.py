@@ -42,6 +42,16 @@ class RegretLedger:
         self._events: list[LedgerEvent] = []
         self._blocks = 0
 
+    @classmethod
+    def restored(cls, budget: float, spent: float = 0.0, request_id: str | None = None) -> RegretLedger:
+        """A ledger that has already spent `spent` of `budget` (reopened after the policy actor restarted;
+        the events before the restart are not kept, their regret is)."""
+        ledger = cls(budget, request_id=request_id)
+        if isinstance(spent, bool) or not isinstance(spent, (int, float)) or not 0 <= spent <= budget:
+            raise ValueError(f"spent must be a number in [0, budget={budget}], got {spent!r}")
+        ledger._remaining = max(ledger.budget - float(spent), 0.0)
+        return ledger
+
     @property
     def remaining(self) -> float:
         """Budget left, ≥ 0."""

@@ -46,7 +46,7 @@ def save_tiny_llama(directory, tokenizer, seed: int = 0, **overrides):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from actors.loading import load_tokenizer
+    from actors.sources import load_tokenizer
 
     return load_tokenizer("embedded:smollm2")
 

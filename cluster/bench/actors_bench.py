@@ -13,47 +13,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import logging
 import statistics
 import sys
 import time
 
-from actors.coordinator import GenerationRequest, SamplingParams
+from actors.requests import GenerationRequest, SamplingParams
 from cluster.bench.harness import RoundCollector
 from cluster.bench.workloads import Prompt, load_workload
 
 log = logging.getLogger("specserve.bench")
 
 TORCH_THREADS = 2
-
-
-class TimedTarget:
-    """Wraps a unit's target to split each round's score time into the model forward (measured inside the
-    target: `TargetResult.forward_s`) and the rest: the actor call, (de)serialization, post-processing."""
-
-    def __init__(self, target):
-        self.target = target
-        self.forward_s: list[float] = []
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-    def step(self, batch):
-        result = self.target.step(batch)
-        if not inspect.isawaitable(result):
-            if not batch.prefill:
-                self.forward_s.append(result.forward_s)
-            return result
-
-        async def timed():
-            value = await result
-            if not batch.prefill:
-                self.forward_s.append(value.forward_s)
-            return value
-
-        return timed()
 
 
 def round_shares(rounds) -> dict:
@@ -81,10 +53,9 @@ def decode(coordinator, collector: RoundCollector, prompts: list[Prompt], max_to
 
     one(-1, prompts[0])
     collector.rounds.clear()
-    coordinator.target.forward_s.clear()
     outs = [one(i, p) for i, p in enumerate(prompts)]
     rounds = [r for r in collector.rounds if r.batch_size == 1]
-    forward = coordinator.target.forward_s  # one per round (prefill steps are not rounds)
+    forward = [r.forward_s for r in collector.rounds]  # one per round (prefill steps are not rounds)
     out = {"tokens_per_s": sum(n for n, _ in outs) / sum(s for _, s in outs), "tokens": sum(n for n, _ in outs),
            **round_shares(rounds)}
     if rounds and forward:
@@ -94,47 +65,31 @@ def decode(coordinator, collector: RoundCollector, prompts: list[Prompt], max_to
     return out
 
 
-def _unit_kwargs(config) -> dict:
-    target, drafter = config.target, config.drafter
-    return dict(target_source=target.source, dtype=target.dtype, device=target.device, tp_size=target.tensor_parallel_size,
-                max_slots=target.max_batch_size, max_seq_len=target.max_seq_len, drafter_kind=drafter.kind,
-                drafter_source=drafter.source, prompt_lookup_min=drafter.prompt_lookup_min,
-                prompt_lookup_max=drafter.prompt_lookup_max, torch_threads=TORCH_THREADS)
-
-
-def _policy_kwargs(config) -> dict:
-    g = config.gamma
-    return dict(gamma_max=g.gamma_max, gamma_min=g.gamma_min, prior_alpha=g.prior_alpha, draft_cost=g.draft_cost)
-
-
 def measure_path(config, prompts: list[Prompt], max_tokens: int, on_ray: bool) -> dict:
-    from actors.policy_actor import PolicyCore, get_or_create_policy_actor
+    from actors.policy import LocalPolicy, PolicyCore
     from actors.unit import build_unit
+    from cluster.serving.decoder import policy_kwargs, unit_setup
 
     collector = RoundCollector()
     path = "ray" if on_ray else "inprocess"
+    policy_name = f"actors-bench-policy-{time.monotonic_ns()}"
     if on_ray:
-        policy = get_or_create_policy_actor(f"actors-bench-policy-{time.monotonic_ns()}", **_policy_kwargs(config))
-        extra = dict(target_resources=config.target.resources.model_dump(),
-                     drafter_resources=config.drafter.resources.model_dump(),
-                     placement_strategy=config.target.placement_strategy)
+        from actors.remote.policy import RemotePolicy
+
+        policy = RemotePolicy(policy_name, **policy_kwargs(config))
     else:
-        policy, extra = PolicyCore(**_policy_kwargs(config)), {}
+        policy = LocalPolicy(PolicyCore(**policy_kwargs(config)))
     coordinator = build_unit(unit=f"bench-{path}", policy=policy, observer=collector, on_ray=on_ray,
-                             **_unit_kwargs(config), **extra)
-    coordinator.target = TimedTarget(coordinator.target)
+                             **{**unit_setup(config), "torch_threads": TORCH_THREADS})
     try:
         out = {mode: decode(coordinator, collector, prompts, max_tokens, mode == "speculative", f"{path}-{mode}")
                for mode in ("target_only", "speculative")}
     finally:
-        coordinator.target = coordinator.target.target
-        close = getattr(coordinator, "close", None)
-        if close is not None:
-            asyncio.run(close())
+        asyncio.run(coordinator.close())
         if on_ray:
             import ray
 
-            ray.kill(policy)
+            ray.kill(policy.handle)
     out["speedup"] = out["speculative"]["tokens_per_s"] / out["target_only"]["tokens_per_s"]
     return out
 
@@ -142,7 +97,7 @@ def measure_path(config, prompts: list[Prompt], max_tokens: int, on_ray: bool) -
 def run(config_path: str, workload: str, prompts: int, max_tokens: int, ray_path: bool = True) -> dict:
     import torch
 
-    from actors.loading import load_tokenizer
+    from actors.sources import load_tokenizer
     from cluster.config import load_config
 
     torch.set_num_threads(TORCH_THREADS)

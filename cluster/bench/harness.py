@@ -18,8 +18,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from actors.coordinator import EXACT, ArmSpec, Coordinator, GenerationRequest, SamplingParams
-from actors.policy_actor import PolicyCore
+from actors.coordinator import Coordinator
+from actors.policy import PolicyCore
+from actors.requests import EXACT, ArmSpec, GenerationRequest, SamplingParams
 from actors.stats import RequestRecord, RoundRecord
 from cluster.bench.workloads import Prompt, cycle
 

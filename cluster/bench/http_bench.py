@@ -87,7 +87,7 @@ class ServedApp:
         """Serve `config` (see `bench_config`), deleting the previous benchmark app first."""
         from ray import serve
 
-        from cluster.app import build_app
+        from cluster.serving.app import build_app
         from cluster.config import dump_config
 
         if self.app_name is not None:

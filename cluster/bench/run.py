@@ -137,13 +137,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     torch.set_num_threads(TORCH_THREADS)
     import transformers
 
-    from actors.drafters import ModelDrafter, NgramDrafter
-    from actors.engine import Engine
-    from actors.loading import load_model, model_info
+    from actors.drafting import make_drafter
+    from actors.engines.native import Engine, load_model
+    from actors.sources import model_info
     from cluster.bench import sections
     from cluster.bench.harness import InProcessBench
     from cluster.bench.workloads import load_workload
     from cluster.config import dump_config, load_config
+    from cluster.serving.decoder import unit_setup
 
     config = load_config(args.config)
     plan = make_plan(args)
@@ -165,13 +166,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     max_slots = max(plan.batched_concurrency, target.max_batch_size, max(plan.http_concurrency))
     engine = Engine(model, max_slots=max_slots, max_seq_len=target.max_seq_len or info["max_position_embeddings"])
     drafter_cfg = config.drafter
-    if drafter_cfg.kind == "ngram":
-        drafter = NgramDrafter(drafter_cfg.prompt_lookup_min, drafter_cfg.prompt_lookup_max)
-    elif drafter_cfg.kind == "model":
-        drafter_model, _ = load_model(drafter_cfg.source, drafter_cfg.dtype, drafter_cfg.device)
-        drafter = ModelDrafter(Engine(drafter_model, max_slots, engine.max_seq_len), name=drafter_cfg.source)
-    else:
-        drafter = None
+    drafter = make_drafter(unit_setup(config)["drafter"], max_slots=max_slots, max_seq_len=engine.max_seq_len)
     gamma = config.gamma
     policy = dict(gamma_max=max(gamma.gamma_max, *plan.gammas, *plan.batched_gammas), gamma_min=gamma.gamma_min,
                   prior_alpha=gamma.prior_alpha, draft_cost=gamma.draft_cost)
@@ -213,7 +208,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 results["asd"][w] = section(f"asd/{w}", lambda: sections.asd(
                     bench, prompts[w], settings, results["single"][w]["target_only_token_ids"]))
     if "hf" not in skip:
-        from actors.loading import resolve
+        from actors.sources import resolve
         from cluster.bench.hf_peer import HFPeer
 
         peer = None

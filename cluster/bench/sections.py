@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import statistics
 
-from actors.coordinator import ArmSpec
-from cluster.audit import common_prefix_length
+from actors.requests import ArmSpec
+from cluster.experiments.audit import common_prefix_length
 from cluster.bench import speedup
 from cluster.bench.harness import ADAPTIVE, TARGET_ONLY, InProcessBench, Mode, RunMeasure, fixed
 from cluster.bench.plan import ASDSetting, BenchPlan

@@ -1,21 +1,18 @@
 """The speculative loop in-process: greedy identity, ASD, seeded sampling, distribution, cleanup."""
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from actors.coordinator import ArmSpec, Coordinator, GenerationRequest, SamplingParams
-from actors.drafters import ModelDrafter, NgramDrafter
-from actors.engine import Engine
-from actors.loading import load_model
-from actors.policy_actor import PolicyCore
+from actors.drafting import ModelDrafter, NgramDrafter
+from actors.engines.native.engine import Engine
+from actors.engines.native import load_model
+from actors.policy import PolicyCore
 from policies.asd import ASDConfig
 
-sys.path.append(str(Path(__file__).parents[1]))
-from conftest import save_tiny_llama  # noqa: E402
+from tests.conftest import save_tiny_llama
 
 # Repetitive prompts so that prompt lookup finds drafts and some of them are accepted.
 PROMPTS = [
@@ -56,7 +53,7 @@ def test_ngram_greedy_identical_to_target_only(tiny, reference, fixed):
     outs = coord.generate_many_sync([greedy(f"r{i}", p) for i, p in enumerate(PROMPTS)])
     assert [o.token_ids for o in outs] == reference
     assert sum(o.record.draft_tokens for o in outs) > 0  # speculation actually happened
-    assert coord.target.active_ids() == [] and coord.policy.open_ledgers() == []
+    assert coord.target.engine.active_ids() == [] and coord.policy.core.open_ledgers() == []
 
 
 def test_model_drafter_greedy_identical_to_target_only(tiny, reference):
@@ -82,7 +79,7 @@ def test_asd_budget_zero_is_exact_and_budget_is_respected(tiny, reference):
     usage = [o.record.speculative_usage() for o in outs]
     assert all(u["regret_spent"] <= 3.0 + 1e-6 and u["regret_budget"] == 3.0 for u in usage)
     assert sum(u["relaxed_tokens"] for u in usage) > 0  # a random tiny model disagrees with prompt lookup often
-    assert coord.policy.open_ledgers() == []
+    assert coord.policy.core.open_ledgers() == []
 
 
 def test_seeded_sampling_reproduces_alone_and_in_a_batch(tiny):
@@ -147,7 +144,7 @@ def test_cancelled_stream_frees_caches_and_ledger(tiny):
             await asyncio.sleep(0.01)
             if not coord.active_requests():
                 break
-        state = (coord.active_requests(), coord.target.active_ids(), coord.policy.open_ledgers())
+        state = (coord.active_requests(), coord.target.engine.active_ids(), coord.policy.core.open_ledgers())
         await coord.stop()
         return state
 
@@ -170,7 +167,7 @@ def test_abort_returns_after_cleanup(tiny):
         await coord.abort("a")
         await task
         await coord.stop()
-        return chunks[-1].finish_reason, coord.target.active_ids()
+        return chunks[-1].finish_reason, coord.target.engine.active_ids()
 
     assert asyncio.run(scenario()) == ("abort", [])
 
@@ -189,22 +186,21 @@ def test_bad_requests_raise_value_errors(tiny):
         coord.generate_sync(greedy("e", [1] * 300))
 
 
-def test_free_drafts_fill_the_round_width(tiny):
+def test_free_drafts_fill_the_round_width():
     """A forward is as wide as its widest row: with prompt lookup every speculating row drafts up to that width
     (within its own limits); target-only rows stay at 0, and a costly drafter keeps each row's own plan."""
-    from actors.coordinator import _Sequence
+    from actors.scheduler import Scheduler
 
-    def rows(coord, specs):
-        out = []
-        for rid, speculate, max_tokens in specs:
-            req = GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens), speculate=speculate)
-            out.append(_Sequence(req, asyncio.Queue(), [1, 2, 3], 0.0))
-        return out
-
+    scheduler = Scheduler(max_batch_size=8, max_seq_len=256, vocab_size=None, clock=lambda: 0.0)
     specs = [("a", True, 50), ("b", True, 50), ("c", False, 50), ("d", True, 3)]
-    coord = unit(tiny[0], NgramDrafter(1, 3))
-    coord._plan = {"a": 5, "b": 0, "c": 4, "d": 5}
-    assert coord._gammas(rows(coord, specs)) == [5, 5, 0, 2]  # d may emit 3 more: 2 drafts + 1
-    model_drafted = unit(tiny[0], ModelDrafter(Engine(tiny[1], max_slots=4, max_seq_len=256)))
-    model_drafted._plan = dict(coord._plan)
-    assert model_drafted._gammas(rows(model_drafted, specs)) == [5, 0, 0, 2]
+
+    async def enqueue():
+        return [scheduler.enqueue(GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=n), speculate=spec))
+                for rid, spec, n in specs]
+
+    rows = asyncio.run(enqueue())
+    scheduler.admit()
+    scheduler.set_plan([r.key() for r in rows], [5, 0, 4, 5])
+    assert scheduler.gammas(rows, can_draft=True, free_drafts=True) == [5, 5, 0, 2]  # d may emit 3: 2 drafts + 1
+    assert scheduler.gammas(rows, can_draft=True, free_drafts=False) == [5, 0, 0, 2]
+    assert scheduler.gammas(rows, can_draft=False, free_drafts=True) == [0, 0, 0, 0]

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from actors.coordinator import ArmSpec, GenerationRequest, SamplingParams
-from actors.policy_actor import PolicyCore, get_or_create_policy_actor
-from actors.unit import build_unit
+from actors.policy import LocalPolicy, PolicyCore
+from actors.remote.policy import RemotePolicy
+from actors.unit import TargetSetup, build_unit
 from policies.asd import ASDConfig
 
 pytestmark = pytest.mark.slow
@@ -38,8 +39,8 @@ def requests(prompts, tag, **kw):
 @pytest.fixture(scope="module")
 def local_unit():
     torch.set_num_threads(2)
-    return build_unit(unit="smol", target_source=SOURCE, max_slots=8, max_seq_len=512, on_ray=False,
-                      policy=PolicyCore(gamma_max=6, prior_alpha=0.6, draft_cost=0.02))
+    return build_unit(unit="smol", target=TargetSetup(SOURCE, max_slots=8, max_seq_len=512), on_ray=False,
+                      policy=LocalPolicy(PolicyCore(gamma_max=6, prior_alpha=0.6, draft_cost=0.02)))
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +59,10 @@ def test_in_process_exact_and_asd_budget_zero_match_target_only(local_unit, prom
 
 
 def test_through_ray_with_tp2_matches_target_only(ray_cluster, prompts, reference):
-    policy = get_or_create_policy_actor("test-smollm2-policy", gamma_max=6, prior_alpha=0.6, draft_cost=0.02)
-    unit = build_unit(unit="smol-tp2", target_source=SOURCE, tp_size=2, max_slots=8, max_seq_len=512,
-                      policy=policy, target_resources={"num_cpus": 0.5}, placement_strategy="PACK")
+    policy = RemotePolicy("test-smollm2-policy", gamma_max=6, prior_alpha=0.6, draft_cost=0.02)
+    unit = build_unit(unit="smol-tp2", target=TargetSetup(SOURCE, tp_size=2, max_slots=8, max_seq_len=512,
+                                                          resources={"num_cpus": 0.5}, placement_strategy="PACK"),
+                      policy=policy)
     try:
         outs = unit.generate_many_sync(requests(prompts, "tp2"))
         assert [o.token_ids for o in outs] == reference
@@ -68,4 +70,6 @@ def test_through_ray_with_tp2_matches_target_only(ray_cluster, prompts, referenc
         outs = unit.generate_many_sync(requests(prompts, "tp2asd", arm=asd0))
         assert [o.token_ids for o in outs] == reference
     finally:
-        unit.target.close()
+        import asyncio
+
+        asyncio.run(unit.close())

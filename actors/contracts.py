@@ -1,0 +1,210 @@
+"""The contracts between the coordinator and the parts of a unit: what crosses, and who answers.
+
+A unit is a coordinator with three backends (DESIGN.md, request path):
+- a **target** (`TargetBackend`): `step(TargetBatch) -> TargetResult` per round, over its own KV caches;
+- a **drafter** (`DrafterBackend`): `propose([DraftRequest]) -> DraftBatch` per round;
+- a **policy** (`PolicyBackend`): ledgers and γ; `settle` once per round verifies ASD rows and plans γ.
+
+Backends are async because any of them may live behind a Ray actor; in-process implementations answer at
+once. Implementations: target `actors.target.LocalTarget`, `actors.remote.tp.TargetGroup`; drafter
+`actors.drafting.LocalDrafter`, `actors.remote.drafter.RemoteDrafter`; policy `actors.policy.LocalPolicy`,
+`actors.remote.policy.RemotePolicy`. Below them sit synchronous, torch-only parts: an `Engine` (sequences by
+id over a KV cache; `actors.engines.native.Engine`) and a `Drafter` (`NgramDrafter`, `ModelDrafter`).
+
+Everything that crosses is a small frozen dataclass; tensors carry a shape comment. Full-vocabulary rows
+never cross except a model drafter's q rows of sampled requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from actors.sampling import GREEDY, SamplingSpec
+from policies import PAD_TOKEN_ID, Verdict
+from policies.asd import ASDConfig
+from policies.scores import TargetScores
+
+NO_CROP = -1  # TargetBatch.crops[b]: keep every cached position
+
+
+# --- drafter -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DraftRequest:
+    seq_id: str
+    context: Sequence[int]  # committed tokens: prompt + output so far
+    gamma: int  # tokens wanted (≥ 1)
+    sampling: SamplingSpec = GREEDY
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    draft_ids: torch.Tensor  # [B, Kmax] long, padded with PAD_TOKEN_ID
+    draft_lens: torch.Tensor  # [B] long, tokens actually proposed per row
+    draft_probs: torch.Tensor | None  # [B, Kmax, V] float q rows when any row samples, else None
+
+    @staticmethod
+    def empty(batch_size: int) -> DraftBatch:
+        """No drafts: one padded column, since a block always has K ≥ 1 positions (draft_lens 0 = plain)."""
+        return DraftBatch.from_rows([[] for _ in range(batch_size)])
+
+    @staticmethod
+    def from_rows(rows: Sequence[Sequence[int]], draft_probs: torch.Tensor | None = None) -> DraftBatch:
+        """Pack ragged rows of draft ids, padding with PAD_TOKEN_ID to at least one column."""
+        width = max(1, max((len(r) for r in rows), default=0))
+        ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.long)  # [B, Kmax]
+        for b, row in enumerate(rows):
+            if len(row):
+                ids[b, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+        return DraftBatch(ids, torch.tensor([len(r) for r in rows], dtype=torch.long), draft_probs)
+
+
+class Drafter(Protocol):
+    """A synchronous, torch-only drafter. `free_drafts`: proposing costs ~nothing (prompt lookup), so the
+    coordinator may fill a round's padded width with drafts."""
+
+    free_drafts: bool
+
+    def propose(self, requests: list[DraftRequest]) -> DraftBatch: ...
+
+    def release(self, seq_id: str) -> None: ...
+
+
+@runtime_checkable
+class DrafterBackend(Protocol):
+    free_drafts: bool
+
+    async def propose(self, requests: list[DraftRequest]) -> DraftBatch: ...
+
+    async def release(self, seq_id: str) -> None: ...
+
+    async def recover(self) -> None:
+        """Bring a failed drafter back (returns once it answers again); raises while it cannot."""
+
+    async def close(self) -> None: ...
+
+
+# --- target --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetBatch:
+    """Every active row of one round. Row b first crops its KV cache to `crops[b]` (rolling back last round's
+    rejected drafts), then feeds `tokens[b]`: the pending token plus the row's drafts, or the prompt."""
+
+    seq_ids: list[str]
+    crops: list[int]  # per row: KV length to keep before feeding, NO_CROP to keep all
+    tokens: list[list[int]]  # per row: pending token + drafts (or the prompt at prefill)
+    draft_ids: torch.Tensor  # [B, Kmax] long, PAD_TOKEN_ID beyond a row's drafts
+    draft_lens: torch.Tensor  # [B] long
+    sampling: list[SamplingSpec]  # per row
+    draft_probs: torch.Tensor | None = None  # [B, Kmax, V] q rows of a model drafter, None = one-hot q
+    prefill: bool = False  # rows are prompts: only the last position is scored
+
+    def num_logits(self) -> list[int]:
+        """Logit rows each row needs: the last prompt position at prefill, pending + drafts otherwise."""
+        return [1] * len(self.tokens) if self.prefill else [len(t) for t in self.tokens]
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    scores: TargetScores  # compact scores, all rows (sampled rows' entries unused)
+    sampled_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> emitted tokens (sampled rows)
+    sampled_accepted: dict[int, int] = field(default_factory=dict)  # row -> draft tokens accepted
+    forward_s: float = 0.0  # model forward time inside the target
+
+
+class Engine(Protocol):
+    """Sequences by id over a KV cache; prefill, decode and teacher-forced scoring are all `forward`."""
+
+    vocab_size: int
+    max_seq_len: int
+
+    def forward(self, seq_ids: Sequence[str], tokens: Sequence[Sequence[int]],
+                num_logits: Sequence[int] | None = None) -> torch.Tensor: ...  # [B, T, V]
+
+    def crop(self, seq_id: str, length: int) -> None: ...
+
+    def release(self, seq_id: str) -> bool: ...
+
+    def length(self, seq_id: str) -> int: ...
+
+    def active_ids(self) -> list[str]: ...
+
+
+class TargetUnavailable(RuntimeError):
+    """The target failed (a shard died, the engine crashed); its cached sequences are lost until `rebuild()`."""
+
+
+@runtime_checkable
+class TargetBackend(Protocol):
+    async def step(self, batch: TargetBatch) -> TargetResult: ...
+
+    async def release(self, seq_ids: Sequence[str]) -> None: ...
+
+    async def active_ids(self) -> list[str]: ...
+
+    async def rebuild(self) -> None:
+        """Replace a failed target; every cached sequence is lost."""
+
+    async def close(self) -> None: ...
+
+
+# --- policy --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowKey:
+    request_id: str
+    arm: str
+    seeded: bool = False  # seeded sampled requests plan from their own history only, to reproduce
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What a unit measured in one round, for the α and cost estimates."""
+
+    rows: tuple[tuple[RowKey, int, int], ...]  # (row, gamma drafted, accepted)
+    batch_size: int
+    draft_step_s: float  # drafter time per drafted position (0 when nothing was drafted)
+    score_s: float  # target forward time for the round
+    score_tokens: int  # tokens fed per row (max over rows: the padded width of the forward)
+
+
+@dataclass(frozen=True)
+class ASDBatch:
+    """The ASD rows of one arm in one round, in compact form."""
+
+    request_ids: tuple[str, ...]
+    draft_ids: torch.Tensor  # [A, K] long, PAD beyond draft_lens
+    draft_lens: torch.Tensor  # [A] long
+    scores: TargetScores  # [A, ...] compact target scores
+    config: ASDConfig
+    arm: str
+
+
+class PolicyUnavailable(RuntimeError):
+    """The policy could not be reached (its actor died or is restarting)."""
+
+
+class LedgersLost(KeyError):
+    """`settle` met requests without an open ledger: the policy restarted and lost them."""
+
+    def __init__(self, request_ids: Sequence[str]):
+        super().__init__(f"no open ledger for {list(request_ids)}")
+        self.request_ids = tuple(request_ids)
+
+
+@runtime_checkable
+class PolicyBackend(Protocol):
+    async def open_request(self, request_id: str, budget: float | None, spent: float = 0.0) -> None:
+        """Open a request's state; with a budget, its ledger (`spent` > 0 restores one after a restart)."""
+
+    async def close_request(self, request_id: str) -> dict | None:
+        """Drop the request's state; its ledger summary, None for exact requests."""
+
+    async def settle(self, asd: ASDBatch | None, report: RoundReport | None, plan_for: list[RowKey],
+                     batch_size: int) -> tuple[Verdict | None, list[int]]:
+        """Verify and charge ASD rows, learn from the round's report, and plan γ for `plan_for`.
+        Raises `LedgersLost` (charging nothing) when an ASD row has no open ledger."""
+
+    async def open_ledgers(self) -> list[str]: ...

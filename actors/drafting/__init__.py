@@ -1,0 +1,74 @@
+"""Drafters: propose γ tokens per sequence behind one small interface (`actors.contracts.Drafter`).
+
+- `ngram.NgramDrafter`: prompt lookup; microseconds, runs in the coordinator's process.
+- `model.ModelDrafter`: a small causal LM with its own engine; in its own Ray actor on a cluster.
+
+`make_drafter` is the one place a drafter is built from its settings (the in-process unit, the drafter actor
+and the benchmarks all call it); `LocalDrafter` is the coordinator's async view of an in-process drafter.
+A drafter proposes for a batch of `DraftRequest`s and returns one `DraftBatch`; draft ids beyond a row's own
+length are `PAD_TOKEN_ID`, and `draft_lens[b]` may be below the γ asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.contracts import DraftBatch, DraftRequest, Drafter
+from actors.drafting.model import ModelDrafter, check_vocab
+from actors.drafting.ngram import NgramDrafter, ngram_lookup
+
+__all__ = ["DrafterSetup", "LocalDrafter", "ModelDrafter", "NgramDrafter", "check_vocab", "make_drafter",
+           "ngram_lookup"]
+
+DRAFTER_KINDS = ("ngram", "model", "none")
+
+
+@dataclass(frozen=True)
+class DrafterSetup:
+    """How a unit drafts: `kind` ngram | model | none, and the model drafter's own dtype, device and actor."""
+
+    kind: str = "ngram"
+    source: str | None = None  # model drafter's source (as target sources)
+    dtype: str = "float32"
+    device: str = "cpu"
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    resources: dict = field(default_factory=dict)  # Ray resources of the drafter actor: num_cpus, num_gpus, memory_gb
+
+    def __post_init__(self):
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
+        if self.kind == "model" and not self.source:
+            raise ValueError("source is required when kind is 'model'")
+
+
+def make_drafter(setup: DrafterSetup, *, max_slots: int, max_seq_len: int | None) -> Drafter | None:
+    """The drafter `setup` describes, in this process (None for kind 'none')."""
+    if setup.kind == "ngram":
+        return NgramDrafter(setup.prompt_lookup_min, setup.prompt_lookup_max)
+    if setup.kind == "model":
+        from actors.engines.native import Engine, load_model
+
+        model, _ = load_model(setup.source, setup.dtype, setup.device)
+        return ModelDrafter(Engine(model, max_slots, max_seq_len), name=setup.source)
+    return None
+
+
+class LocalDrafter:
+    """A drafter in the coordinator's process, behind the async `DrafterBackend` contract."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.free_drafts = drafter.free_drafts
+
+    async def propose(self, requests: list[DraftRequest]) -> DraftBatch:
+        return self.drafter.propose(requests)
+
+    async def release(self, seq_id: str) -> None:
+        self.drafter.release(seq_id)
+
+    async def recover(self) -> None:
+        """An in-process drafter does not die apart from the process."""
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,262 @@
+"""Our own Llama-family causal LM over an explicit slot KV cache (gpt-fast style).
+
+Covers Llama and SmolLM2 (tied embeddings), Mistral (sliding window), Qwen2 (q/k/v bias) and Qwen3
+(per-head q_norm / k_norm). Parity with `transformers.AutoModelForCausalLM` is tested in
+tests/actors/test_model.py.
+
+Terms:
+- **slot**: a row of the KV cache; the Engine maps each sequence id to one slot.
+- **start**: how many positions a row already has cached; its new tokens take positions start, start+1, ...
+- **ragged batch**: B rows with different starts and different numbers of new tokens, right-padded to T.
+  Padded positions are computed and written to the cache like real ones (past the row's length, so they are
+  never attended to by a real query and are overwritten by the next append).
+- **tensor parallel**: with `args.tp_size > 1` the module holds one Megatron shard (see actors.sharding):
+  q/k/v and gate/up hold this rank's heads / columns, o_proj and down_proj are row-split and their outputs
+  are summed over the group with an all-reduce. Embedding, norms and lm_head are replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from actors.engines.native.kv_cache import CacheBatch, SlotCache
+
+# RoPE variants whose frequencies do not depend on the running sequence length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shapes and switches of one (possibly sharded) model. Head and MLP counts are this rank's."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # MLP columns held by this rank
+    num_layers: int
+    num_heads: int  # query heads held by this rank
+    num_kv_heads: int  # key/value heads held by this rank
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    tie_word_embeddings: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    max_position_embeddings: int = 2048
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @classmethod
+    def from_hf_config(cls, config, weight_names: Collection[str]) -> "ModelArgs":
+        """Read a transformers config; biases and q/k norms are detected from the checkpoint's weight names."""
+        names = {n.removeprefix("model.") for n in weight_names}
+        text = getattr(config, "text_config", None) or config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        window = getattr(text, "sliding_window", None)
+        layer_types = getattr(text, "layer_types", None)
+        if layer_types:
+            windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+        else:
+            windows = (window,) * text.num_hidden_layers
+        return cls(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_layers=text.num_hidden_layers,
+            num_heads=text.num_attention_heads,
+            num_kv_heads=text.num_key_value_heads or text.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=text.rms_norm_eps,
+            qkv_bias="layers.0.self_attn.q_proj.bias" in names,
+            o_bias="layers.0.self_attn.o_proj.bias" in names,
+            mlp_bias="layers.0.mlp.gate_proj.bias" in names,
+            qk_norm="layers.0.self_attn.q_norm.weight" in names,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in names,
+            sliding_windows=windows,
+            max_position_embeddings=text.max_position_embeddings,
+        )
+
+    def sharded(self, num_heads: int, num_kv_heads: int, intermediate_size: int, rank: int, size: int) -> "ModelArgs":
+        return replace(
+            self, num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+            tp_rank=rank, tp_size=size,
+        )
+
+
+def rope_frequencies(config) -> tuple[Tensor, float]:
+    """Inverse frequencies [head_dim // 2] and the cos/sin scale of the config's RoPE.
+
+    Delegates to transformers' own initialisers so llama3 / linear / yarn scaling match exactly; RoPE types
+    that change with the sequence length (dynamic, longrope) are refused.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    text = getattr(config, "text_config", None) or config
+    params = getattr(text, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"config: rope_type {rope_type!r} is not supported (supported: {STATIC_ROPE_TYPES})")
+    if rope_type == "default":
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        base = params.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, 1.0
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](text, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # y = w * x / sqrt(mean(x^2) + eps), computed in float32 as transformers does
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x [B, T, H, D], cos/sin [B, T, 1, D]
+    return x * cos + rotate_half(x) * sin
+
+
+def all_reduce(x: Tensor, args: ModelArgs, group) -> Tensor:
+    """Sum a row-parallel projection's partial outputs over the tensor-parallel group (no-op at size 1)."""
+    if args.tp_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, tp_group=None):
+        super().__init__()
+        self.args, self.layer, self.tp_group = args, layer, tp_group
+        self.window = args.sliding_windows[layer] if args.sliding_windows else None
+        d, h, kv = args.head_dim, args.num_heads, args.num_kv_heads
+        self.q_proj = nn.Linear(args.hidden_size, h * d, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
+        # Row-parallel: a bias must be added once, after the all-reduce, so only rank 0 holds it.
+        self.o_proj = nn.Linear(h * d, args.hidden_size, bias=args.o_bias and args.tp_rank == 0)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, batch: CacheBatch) -> Tensor:
+        B, T, _ = x.shape  # x [B, T, hidden]
+        d = self.args.head_dim
+        q = self.q_proj(x).view(B, T, self.args.num_heads, d)  # [B, T, Hq, D]
+        k = self.k_proj(x).view(B, T, self.args.num_kv_heads, d)  # [B, T, Hkv, D]
+        v = self.v_proj(x).view(B, T, self.args.num_kv_heads, d)  # [B, T, Hkv, D]
+        if self.args.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer, batch, k, v)
+        keys, values = cache.read(self.layer, batch)  # [B, Hkv, S, D] each
+        mask = batch.mask if self.window is None else batch.window_mask(self.window)  # [B, 1, T, S]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.args.num_heads != self.args.num_kv_heads
+        )  # [B, Hq, T, D]
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
+        return all_reduce(out, self.args, self.tp_group)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, tp_group=None):
+        super().__init__()
+        self.args, self.tp_group = args, tp_group
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias and args.tp_rank == 0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, hidden]
+        return all_reduce(out, self.args, self.tp_group)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, tp_group=None):
+        super().__init__()
+        self.self_attn = Attention(args, layer, tp_group)
+        self.mlp = MLP(args, tp_group)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, batch: CacheBatch) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """A Llama-family decoder whose KV cache is passed in (owned by actors.engine.Engine).
+
+    Parameter names equal transformers' without the `model.` prefix, so a HF state dict loads after
+    `strip_prefix`. Build with `CausalLM(args, inv_freq, rope_scale)` then `load_state_dict`, or use
+    actors.loading.load_model.
+    """
+
+    def __init__(self, args: ModelArgs, inv_freq: Tensor, rope_scale: float = 1.0, tp_group=None):
+        super().__init__()
+        self.args = args
+        self.tp_group = tp_group
+        self.rope_scale = rope_scale
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, tp_group) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [D/2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, T, 1, D] for integer positions [B, T]."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        cos = (emb.cos() * self.rope_scale).to(self.dtype)
+        sin = (emb.sin() * self.rope_scale).to(self.dtype)
+        return cos[:, :, None, :], sin[:, :, None, :]
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, cache: SlotCache, batch: CacheBatch, logit_index: Tensor | None = None) -> Tensor:
+        """Append `tokens` [B, T] to the batch's slots and return logits.
+
+        logit_index [B, K] (positions within each row's T new tokens) selects which logits rows to compute:
+        the lm_head over a 49152-token vocabulary dominates small-model steps, and prefill needs one row.
+        Returns [B, K, V] (or [B, T, V] when logit_index is None).
+        """
+        x = self.embed_tokens(tokens)  # [B, T, hidden]
+        cos, sin = self.rope(batch.positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, batch)
+        if logit_index is not None:
+            x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, hidden]
+        return self.lm_head(self.norm(x))  # [B, K, V]
+
+
+def strip_prefix(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """transformers names (`model.layers.0...`, `lm_head.weight`) -> CausalLM names."""
+    return {k.removeprefix("model."): v for k, v in state_dict.items()}

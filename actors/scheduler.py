@@ -1,0 +1,221 @@
+"""Scheduling for one unit: which sequences run, and with how many drafts.
+
+The `Scheduler` owns the waiting queue (requests not yet prefilled), the active batch (every sequence that
+takes part in the next round, at most `max_batch_size`), the aborts asked for since the last round, and the γ
+plan: the policy's γ per request, which arrives with each round's settle and is applied from the next round.
+A plan computed while the unit went on (exact-only rounds don't wait for the policy) is kept as a pending
+task and picked up at the start of the next round.
+
+`SequenceState` is one request's state in the unit: `tokens` = prompt + emitted output; the target's KV holds
+`tokens[:-1]`, and the last emitted token is *pending*: it is fed first next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from actors.contracts import NO_CROP, RowKey
+from actors.requests import GenerationRequest
+from actors.stats import RequestRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RowOutcome:
+    """What a row emits in one round."""
+
+    tokens: list[int]  # accepted drafts + the recovered or bonus token
+    accepted: int  # draft tokens kept
+    relaxed: int = 0  # kept mismatches (ASD)
+    regret: float = 0.0  # regret charged (ASD)
+
+
+@dataclass
+class SequenceState:
+    request: GenerationRequest
+    queue: asyncio.Queue  # GenerationChunks for the request's consumer
+    tokens: list[int]
+    started_s: float
+    crop: int = NO_CROP  # target KV length to keep before the next feed
+    output: list[int] = field(default_factory=list)
+    first_token_s: float | None = None
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    gammas: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    relaxed: int = 0
+    regret_spent: float = 0.0  # every ASD charge the policy reported; restores its ledger after a restart
+    degraded: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+    @property
+    def asd(self) -> bool:
+        """Verified by ASD: an ASD arm and a greedy request (sampled requests are verified exactly)."""
+        return self.request.arm.verification == "asd" and self.request.params.temperature == 0.0
+
+    @property
+    def budget(self) -> float | None:
+        return self.request.arm.asd.budget if self.asd else None
+
+    def key(self) -> RowKey:
+        params = self.request.params
+        return RowKey(self.rid, self.request.arm.name, params.seed is not None and params.temperature > 0)
+
+    def draft_limit(self, max_seq_len: int) -> int:
+        """Most drafts this row may take: the round emits drafts + 1 tokens within max_tokens and the context."""
+        left = self.request.params.max_tokens - len(self.output)
+        room = max_seq_len - len(self.tokens)
+        return max(0, min(left - 1, room - 1))
+
+    def commit(self, outcome: RowOutcome, *, drafted: int, eos: frozenset[int], max_seq_len: int,
+               is_round: bool = True) -> tuple[list[int], str | None]:
+        """Append a round's emitted tokens up to EOS / stop ids / max_tokens / the context; returns the tokens
+        appended and the finish reason ("stop" | "length"), if the request ends here."""
+        params = self.request.params
+        base = len(self.tokens)
+        out, reason = [], None
+        for tok in outcome.tokens:
+            if tok in params.stop_token_ids or (tok in eos and not params.ignore_eos):
+                reason = "stop"
+                break
+            out.append(tok)
+            if len(self.output) + len(out) >= params.max_tokens or base + len(out) >= max_seq_len:
+                reason = "length"
+                break
+        self.tokens.extend(out)
+        self.output.extend(out)
+        self.crop = base + outcome.accepted  # KV keeps the old pending token and the accepted drafts
+        self.relaxed += outcome.relaxed
+        self.regret_spent += outcome.regret
+        if is_round:
+            self.rounds += 1
+            self.gammas.append(drafted)
+            self.draft_tokens += drafted
+            self.accepted_tokens += outcome.accepted
+            self.accepted_per_position.extend([0] * (outcome.accepted - len(self.accepted_per_position)))
+            for k in range(outcome.accepted):
+                self.accepted_per_position[k] += 1
+        return out, reason
+
+    def record(self, unit: str, reason: str, summary: dict | None, finished_s: float) -> RequestRecord:
+        """The finished request's record; `summary` is its ledger summary (None for exact requests)."""
+        req = self.request
+        return RequestRecord(
+            request_id=self.rid, arm=req.arm.name, unit=unit, prompt_tokens=len(req.prompt_ids),
+            output_tokens=len(self.output), rounds=self.rounds, draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens, gammas=tuple(self.gammas), started_s=self.started_s,
+            first_token_s=self.first_token_s, finished_s=finished_s, finish_reason=reason, degraded=self.degraded,
+            verification=req.arm.verification,
+            regret_spent=summary["spent"] if summary else None,
+            regret_budget=summary["budget"] if summary else (req.arm.asd.budget if req.arm.asd else None),
+            relaxed_tokens=self.relaxed if req.arm.verification == "asd" else None,
+            ledger_exhausted=bool(summary and summary.get("exhausted")),
+            accepted_per_position=tuple(self.accepted_per_position),
+        )
+
+
+class Scheduler:
+    """Waiting queue, active batch, aborts and the γ plan of one unit."""
+
+    def __init__(self, *, max_batch_size: int, max_seq_len: int, vocab_size: int | None, clock):
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.waiting: list[SequenceState] = []
+        self.active: list[SequenceState] = []
+        self.aborts: set[str] = set()
+        self.plan: dict[str, int] = {}
+        self._pending_plan: tuple[list[RowKey], asyncio.Task] | None = None
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def enqueue(self, request: GenerationRequest) -> SequenceState:
+        """Validate and queue a request; ValueError naming the problem."""
+        prompt = request.prompt_ids
+        if not prompt:
+            raise ValueError("prompt_ids must not be empty")
+        if self.vocab_size is not None and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
+            raise ValueError(f"prompt_ids must lie in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_seq_len {self.max_seq_len}")
+        if self.find(request.request_id) is not None:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        seq = SequenceState(request, asyncio.Queue(), list(prompt), self.clock())
+        self.waiting.append(seq)
+        return seq
+
+    def find(self, request_id: str) -> SequenceState | None:
+        return next((s for s in self.waiting + self.active if s.rid == request_id), None)
+
+    def request_ids(self) -> list[str]:
+        return [s.rid for s in self.waiting + self.active]
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active or self.aborts)
+
+    def take_aborted(self) -> tuple[list[SequenceState], list[SequenceState]]:
+        """(waiting, active) sequences whose abort was asked for; the waiting ones leave the queue here."""
+        waiting = [s for s in self.waiting if s.rid in self.aborts]
+        active = [s for s in self.active if s.rid in self.aborts]
+        self.waiting = [s for s in self.waiting if s.rid not in self.aborts]
+        self.aborts.clear()
+        return waiting, active
+
+    def admit(self) -> list[SequenceState]:
+        """Move as many waiting sequences into the active batch as it has room for."""
+        room = self.max_batch_size - len(self.active)
+        new, self.waiting = self.waiting[: max(0, room)], self.waiting[max(0, room):]
+        self.active.extend(new)
+        return new
+
+    def remove(self, seq: SequenceState) -> None:
+        if seq in self.active:
+            self.active.remove(seq)
+        self.plan.pop(seq.rid, None)
+
+    # --- the γ plan --------------------------------------------------------------------------------------
+    def set_plan(self, keys: list[RowKey], plan: list[int]) -> None:
+        live = {s.rid for s in self.active}
+        self.plan.update((k.request_id, g) for k, g in zip(keys, plan) if k.request_id in live)
+
+    def defer_plan(self, keys: list[RowKey], pending: asyncio.Task) -> None:
+        """A plan the policy is still computing; `refresh_plan` applies it before the next round."""
+        self._pending_plan = (keys, pending)
+
+    async def refresh_plan(self) -> None:
+        if self._pending_plan is None:
+            return
+        (keys, pending), self._pending_plan = self._pending_plan, None
+        try:
+            _, plan = await pending
+        except Exception as exc:  # the policy is restarting: keep last round's plan
+            log.warning("γ plan unavailable (%s); keeping the previous plan", exc)
+            return
+        self.set_plan(keys, plan)
+
+    def drop_pending_plan(self) -> None:
+        if self._pending_plan is not None:
+            self._pending_plan[1].cancel()
+        self._pending_plan = None
+
+    def gammas(self, rows: list[SequenceState], *, can_draft: bool, free_drafts: bool) -> list[int]:
+        """γ per row: the policy's plan, within what the row may still emit.
+
+        A batched forward is as wide as its widest row, so positions up to that width cost the target nothing
+        extra. With a drafter whose drafts are free (prompt lookup), every speculating row drafts up to the
+        round's width: the padding is spent on tokens that may be accepted instead of on nothing.
+        """
+        limits = [s.draft_limit(self.max_seq_len) if can_draft and s.request.speculate else 0 for s in rows]
+        gammas = [min(self.plan.get(s.rid, 0), cap) for s, cap in zip(rows, limits)]
+        if free_drafts:
+            width = max(gammas, default=0)
+            gammas = [min(width, cap) for cap in limits]
+        return gammas

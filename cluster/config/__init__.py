@@ -1,0 +1,45 @@
+"""The specserve configuration: the schema (`schema`) and how a config is read and checked (`load`)."""
+
+from cluster.config.load import ConfigError, dump_config, load_config, parse_config, validate_models
+from cluster.config.schema import (
+    ASDSettings,
+    ActorResources,
+    ArmConfig,
+    AuditSettings,
+    AutoscalingSettings,
+    Device,
+    DrafterSpec,
+    Dtype,
+    GammaSettings,
+    MAX_GAMMA,
+    ModelSpec,
+    Name,
+    ServingSettings,
+    SpecServeConfig,
+    TelemetrySettings,
+    UnitSettings,
+)
+
+__all__ = [
+    "ASDSettings",
+    "ActorResources",
+    "ArmConfig",
+    "AuditSettings",
+    "AutoscalingSettings",
+    "ConfigError",
+    "Device",
+    "DrafterSpec",
+    "Dtype",
+    "GammaSettings",
+    "MAX_GAMMA",
+    "ModelSpec",
+    "Name",
+    "ServingSettings",
+    "SpecServeConfig",
+    "TelemetrySettings",
+    "UnitSettings",
+    "dump_config",
+    "load_config",
+    "parse_config",
+    "validate_models",
+]

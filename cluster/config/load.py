@@ -1,0 +1,125 @@
+"""Reading a config: YAML → validated `SpecServeConfig`, errors that name the field's path and line, and the
+checks that need the models' own config files (`validate_models`). `load_config` is the only YAML parser in
+the project; everything else receives the validated object (or `dump_config`'s JSON-able dict of it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from cluster.config.schema import SpecServeConfig
+
+
+class ConfigError(ValueError):
+    """A config that fails validation; the message names the source and the path of each bad field."""
+
+
+def parse_config(data: Any, source: str = "<config>", text: str | None = None) -> SpecServeConfig:
+    """Validate a parsed mapping (from YAML, or serveConfigV2's inline args) into a `SpecServeConfig`.
+
+    `text`, when given, is the YAML it came from, so errors can cite line numbers.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the config must be a mapping, got {type(data).__name__}")
+    try:
+        return SpecServeConfig.model_validate(data)
+    except ValidationError as err:
+        lines = _yaml_lines(text) if text is not None else {}
+        problems = []
+        for e in err.errors():
+            path = dotted_path(e["loc"])
+            where = _nearest_line(lines, e["loc"])
+            problems.append(f"  {path or '<root>'}{f' (line {where})' if where else ''}: {e['msg']}")
+        raise ConfigError(f"{source}: invalid config\n" + "\n".join(problems)) from None
+
+
+def load_config(path: str | Path) -> SpecServeConfig:
+    """Read and validate a YAML config file; errors name the file and the YAML path of each bad field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_config(data, source=str(path), text=text)
+
+
+def dump_config(cfg: SpecServeConfig) -> dict[str, Any]:
+    """The config as a JSON-able dict; `parse_config(dump_config(cfg)) == cfg`."""
+    return cfg.model_dump(mode="json")
+
+
+def validate_models(cfg: SpecServeConfig, model_info: Callable[[str], dict] | None = None) -> None:
+    """Checks that need the models' own configs; ValueError naming the config field.
+
+    - target.tensor_parallel_size divides the target's attention heads and KV heads;
+    - a model drafter's vocabulary equals the target's (draft ids are scored by the target);
+    - target.max_seq_len fits the target's position embeddings.
+
+    `model_info(source)` returns a dict with vocab_size, num_attention_heads, num_key_value_heads,
+    max_position_embeddings (default: `actors.sources.model_info`, which reads only the model's config).
+    """
+    if model_info is None:
+        from actors.sources import model_info
+    target = model_info(cfg.target.source)
+    tp = cfg.target.tensor_parallel_size
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if target[key] % tp:
+            raise ValueError(
+                f"target.tensor_parallel_size ({tp}) must divide the target's {key} ({target[key]})"
+            )
+    limit = target.get("max_position_embeddings")
+    if cfg.target.max_seq_len is not None and limit and cfg.target.max_seq_len > limit:
+        raise ValueError(f"target.max_seq_len ({cfg.target.max_seq_len}) exceeds the target's "
+                         f"max_position_embeddings ({limit})")
+    if cfg.drafter.kind == "model":
+        drafter = model_info(cfg.drafter.source)
+        if drafter["vocab_size"] != target["vocab_size"]:
+            raise ValueError(f"drafter.source vocab_size ({drafter['vocab_size']}) must equal the target's "
+                             f"({target['vocab_size']})")
+
+
+def dotted_path(loc: tuple) -> str:
+    """('arms', 1, 'asd', 'g') -> 'arms[1].asd.g'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _yaml_lines(text: str) -> dict[tuple, int]:
+    """Map each YAML path (keys and list indices) to its 1-based line number."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return {}
+    lines: dict[tuple, int] = {}
+
+    def walk(node, path: tuple) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                lines[path + (key.value,)] = key.start_mark.line + 1  # a field's line is its key's
+                walk(value, path + (key.value,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, path + (i,))
+
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _nearest_line(lines: dict[tuple, int], loc: tuple) -> int | None:
+    """Line of the deepest existing prefix of `loc` (a missing field points at its parent)."""
+    for cut in range(len(loc), 0, -1):
+        if loc[:cut] in lines:
+            return lines[loc[:cut]]
+    return None

@@ -1,0 +1,1 @@
+"""Kubernetes: KubeRay RayService manifests rendered from configs (`render`) and validated strictly (`crd`)."""

@@ -1,0 +1,144 @@
+"""The `actors.stats.LoopObserver` of a unit: records to the telemetry hub in batches, and request traces.
+
+It buffers records and ships them to the hub in batches, fire-and-forget, from a background thread, so the
+loop never waits on telemetry; it also writes request span trees (`cluster.observability.tracing`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from actors.stats import RequestRecord, RoundRecord
+from cluster.config import TelemetrySettings
+from cluster.observability.tracing import RequestTracer, make_tracer_provider
+
+logger = logging.getLogger(__name__)
+
+FINISH_GRACE_S = 2.0  # a finished request's span tree waits this long at most for its last round record
+
+
+def remote_sender(hub) -> Callable[[list], object]:
+    """`send` for a hub actor handle: fire-and-forget, so the loop never waits on telemetry."""
+    return lambda batch: hub.record.remote(batch)
+
+
+class UnitObserver:
+    """The `LoopObserver` of one unit: batches records to the hub and writes request traces.
+
+    `send(batch)` delivers a list of records to the hub: `remote_sender(hub)` for the app's hub actor
+    (fire-and-forget), or an in-process `TelemetryHub.record`. Records are sent when `max_batch` are buffered, and every
+    `flush_interval_s` by a daemon thread (None: no thread; call `flush()`), so `on_round` / `on_request`
+    only append to a list. Traces follow `settings.tracing`; `tracer_provider` overrides the provider the
+    settings would build (tests inject one with an in-memory exporter). `close()` flushes and stops.
+    """
+
+    def __init__(
+        self,
+        send: Callable[[list], object],
+        unit: str,
+        settings: TelemetrySettings | None = None,
+        tracer_provider: TracerProvider | None = None,
+        *,
+        max_batch: int = 256,
+        flush_interval_s: float | None = 0.5,
+    ):
+        self.settings = settings or TelemetrySettings()
+        self.unit = unit
+        self.max_batch = max_batch
+        self._send_batch = send
+        self._lock = threading.Lock()
+        self._buffer: list = []
+        self._finishing: list[tuple] = []  # (RequestRecord, monotonic time) awaiting their last round record
+        self._finished: list[tuple] = []  # (RequestRecord, rounds, dropped) ready for span emission
+        self._owns_provider = tracer_provider is None
+        provider = None
+        if self.settings.tracing != "off":
+            provider = tracer_provider or make_tracer_provider(self.settings)
+        self._provider = provider
+        self._tracer = RequestTracer(provider, unit) if provider is not None else None
+        self._stop = threading.Event()
+        self._thread = None
+        if flush_interval_s is not None:
+            self._thread = threading.Thread(
+                target=self._run, args=(flush_interval_s,), name=f"specserve-telemetry-{unit}", daemon=True
+            )
+            self._thread.start()
+
+    def on_round(self, record: RoundRecord) -> None:
+        if self._tracer is not None:
+            with self._lock:
+                self._tracer.add_round(record)
+                self._release_finishing(min_age_s=0.0)
+        self._append(record)
+
+    def on_request(self, record: RequestRecord) -> None:
+        if self._tracer is not None:
+            with self._lock:
+                self._finishing.append((record, time.monotonic()))
+        self._append(record)
+
+    def _release_finishing(self, min_age_s: float) -> None:
+        """Queue for tracing the finished requests waiting at least `min_age_s` (caller holds the lock).
+
+        The loop reports a request when its last round commits, before that round's `RoundRecord`; so a
+        finished request waits for the next round record (or `FINISH_GRACE_S` when the unit goes idle).
+        """
+        now, waiting = time.monotonic(), []
+        for record, since in self._finishing:
+            if now - since >= min_age_s:
+                rounds, dropped = self._tracer.pop(record.request_id)
+                self._finished.append((record, rounds, dropped))
+            else:
+                waiting.append((record, since))
+        self._finishing = waiting
+
+    def _append(self, record) -> None:
+        with self._lock:
+            self._buffer.append(record)
+            full = len(self._buffer) >= self.max_batch
+        if full:
+            self._send()
+
+    def _send(self) -> None:
+        with self._lock:
+            batch, self._buffer = self._buffer, []
+        if not batch:
+            return
+        try:
+            self._send_batch(batch)
+        except Exception:  # telemetry must never break serving
+            logger.exception("unit %s: dropped %d telemetry records", self.unit, len(batch))
+
+    def flush(self, grace_s: float = FINISH_GRACE_S) -> None:
+        """Send buffered records and write the span trees of finished requests whose last round has been
+        seen (or that finished more than `grace_s` ago)."""
+        self._send()
+        with self._lock:
+            if self._tracer is not None:
+                self._release_finishing(grace_s)
+            finished, self._finished = self._finished, []
+        for record, rounds, dropped in finished:
+            try:
+                self._tracer.emit(record, rounds, dropped)
+            except Exception:
+                logger.exception("unit %s: could not trace request %s", self.unit, record.request_id)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.flush()
+
+    def close(self) -> None:
+        """Stop the flush thread, flush, and flush the tracer provider's exporters."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.flush(grace_s=0.0)
+        if self._provider is not None:
+            self._provider.force_flush()
+            if self._owns_provider:
+                self._provider.shutdown()

@@ -1,0 +1,80 @@
+"""The Serve application: `build_app(args)`, import_path-able as `cluster.serving.app:build_app`.
+
+    serve run cluster.serving.app:build_app config=configs/local.yaml
+    # KubeRay serveConfigV2: import_path: cluster.serving.app:build_app, args: {config: {...the dumped config...}}
+
+It wires the OpenAI ingress to the decoder deployment, whose every replica is one unit. The config decides the
+decoder's concurrency (`serving.max_ongoing_requests` per unit, `serving.max_queued_requests` waiting per
+caller before a 503) and its replicas (`autoscaling`). Nothing is created at build time: each replica builds
+its unit, and the policy actor and telemetry hub are made on first use by whichever replica comes first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.config import SpecServeConfig, dump_config, load_config, parse_config, validate_models
+from cluster.serving.decoder import DecoderUnit
+from cluster.serving.ingress import OpenAIIngress
+
+DECODER_DEPLOYMENT = "DecoderUnit"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+def resolve_config(value: Any) -> SpecServeConfig:
+    """`args["config"]`: a YAML path, an inline mapping (serveConfigV2), or a `SpecServeConfig`."""
+    if isinstance(value, SpecServeConfig):
+        return value
+    if isinstance(value, dict):
+        return parse_config(value, source="args.config")
+    if isinstance(value, (str, Path)):
+        return load_config(value)
+    raise ValueError(f"config: expected a path, a mapping or a SpecServeConfig, got {type(value).__name__}")
+
+
+def decoder_options(config: SpecServeConfig) -> dict[str, Any]:
+    """Serve deployment options of the decoder (one replica = one unit)."""
+    scaling = config.autoscaling
+    options: dict[str, Any] = dict(
+        name=DECODER_DEPLOYMENT,
+        max_ongoing_requests=config.serving.max_ongoing_requests,
+        max_queued_requests=config.serving.max_queued_requests,
+        graceful_shutdown_timeout_s=scaling.graceful_shutdown_timeout_s,
+        ray_actor_options={"num_cpus": config.unit.num_cpus},
+        # Loading a model (and, on first use, converting the embedded GGUF) takes a while.
+        health_check_timeout_s=120,
+    )
+    if scaling.enabled:
+        options["autoscaling_config"] = scaling.to_serve()
+    else:
+        options["num_replicas"] = scaling.fixed_replicas
+    return options
+
+
+def ingress_options(config: SpecServeConfig) -> dict[str, Any]:
+    """The ingress only parses, tokenizes and relays: no reserved CPU, and room for every request the units
+    can hold or queue, so overload surfaces as the decoder's 503 rather than as a wait at the proxy."""
+    capacity = (
+        config.serving.max_ongoing_requests + config.serving.max_queued_requests
+    ) * config.autoscaling.max_replicas
+    return dict(
+        name=INGRESS_DEPLOYMENT,
+        max_ongoing_requests=2 * capacity + 16,
+        ray_actor_options={"num_cpus": 0},
+    )
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """The specserve Serve application. `args["config"]` is a config path or the dumped config."""
+    if "config" not in args:
+        raise ValueError("args: 'config' (a YAML path or an inline config mapping) is required")
+    config = resolve_config(args["config"])
+    validate_models(config)  # vocabularies, TP vs heads, context: from the models' config files only
+    dumped = dump_config(config)
+    decoder = serve.deployment(DecoderUnit).options(**decoder_options(config))
+    ingress = serve.deployment(OpenAIIngress).options(**ingress_options(config))
+    return ingress.bind(decoder.bind(dumped), dumped)

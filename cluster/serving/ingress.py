@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP front end (a Serve ingress deployment with FastAPI).
+
+Per request: validate the body (`cluster.serving.protocol`), tokenize the prompt (a completion's text, or the chat
+template applied to the messages), check it against the context limit, pick the arm (`cluster.experiments.ab`: forced by
+the `x-specserve-arm` header, sticky by `user`, random by weight), and stream a `DecodeJob` to a decoder unit
+through a Serve handle. Answers are OpenAI bodies, or SSE `data:` chunks ending with `data: [DONE]`.
+
+Errors: every client mistake is a 4xx with `{"error": {"message", "type", "param", "code"}}`; a full unit
+queue (Serve's BackPressureError) is a 503 with Retry-After. A client that disconnects cancels the handle's
+stream, which aborts the sequence in its unit (KV caches freed, ledger closed).
+
+Quality audit: when a greedy ASD request finishes and `AuditSampler` draws it, the same prompt is decoded again
+on the exact reference arm in the background (at most `audit.max_pending` at once) and the comparison goes to
+the telemetry hub.
+"""
+
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from actors.requests import SamplingParams
+from cluster.experiments.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError
+from cluster.experiments.audit import AuditRunner, AuditSampler
+from cluster.config import parse_config
+from cluster.serving.decoder import DecodeJob, Finished, TextDelta, UnitStarted
+from cluster.serving.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chunk_body,
+    completion_body,
+    error_body,
+    models_body,
+    resolve_max_tokens,
+    usage_body,
+    validation_error,
+)
+
+logger = logging.getLogger(__name__)
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+DEFAULT_RETRY_AFTER_S = 1
+
+app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding on Ray Serve.")
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
+    api_error = validation_error(list(err.errors()))
+    return JSONResponse(api_error.body(), status_code=api_error.status)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+    return JSONResponse(
+        error_body(str(err.detail), type=kind, code=str(err.status_code)),
+        status_code=err.status_code,
+        headers=getattr(err, "headers", None),
+    )
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def _openai_reason(finished: Finished) -> str:
+    """OpenAI knows "stop" and "length"; an aborted sequence (unit shutting down) reads as "stop"."""
+    return "length" if finished.finish_reason == "length" else "stop"
+
+
+# Everything the ingress class uses is defined above it: serve.ingress captures the class when it decorates it.
+@serve.ingress(app)
+class OpenAIIngress:
+    """Serve ingress body (wrapped by `cluster.serving.app.build_app`). `decoder` is the decoder deployment's handle;
+    `config` the dumped `SpecServeConfig`."""
+
+    def __init__(self, decoder, config: dict[str, Any]):
+        from actors.sources import load_tokenizer, model_info
+
+        self.config = parse_config(config)
+        self.decoder = decoder.options(stream=True)
+        self.app_name = serve.get_replica_context().app_name
+        self.tokenizer = load_tokenizer(self.config.target.source)
+        info = model_info(self.config.target.source)
+        self.max_seq_len = self.config.target.max_seq_len or info["max_position_embeddings"]
+        self.vocab_size = info["vocab_size"]
+        self.router = ArmRouter(self.config.arms)
+        self.sampler = AuditSampler(self.config.audit.fraction)
+        self.auditor = AuditRunner(
+            self.config.audit.reference_arm, self._send_audit, max_pending=self.config.audit.max_pending
+        )
+        self._hub = None
+        self.created = int(time.time())
+
+    # --- routes ------------------------------------------------------------------------------------------
+    @app.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return models_body(self.config.target.served_name, created=self.created)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        text = await self.hub().prometheus_text.remote()
+        return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/specserve/export")
+    async def export(self) -> JSONResponse:
+        return JSONResponse(await self.hub().export.remote())
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        return await self._serve(body, self._completion_prompt(body), request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        return await self._serve(body, self._chat_prompt(body), request, chat=True)
+
+    # --- request handling --------------------------------------------------------------------------------
+    def hub(self):
+        if self._hub is None:
+            from cluster.observability.telemetry import get_or_create_hub
+
+            self._hub = get_or_create_hub(self.app_name, self.config.telemetry, [a.name for a in self.config.arms])
+        return self._hub
+
+    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            return list(self.tokenizer.encode(body.prompt))
+        if max(body.prompt) >= self.vocab_size:
+            raise APIError(f"prompt token ids must be < {self.vocab_size}", param="prompt", code="invalid_value")
+        return list(body.prompt)
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError("this model has no chat template; use /v1/completions", param="messages",
+                           code="no_chat_template")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                body.template_messages(), tokenize=False, add_generation_prompt=True
+            )
+        except APIError:
+            raise
+        except Exception as err:  # a template may reject a conversation (e.g. roles out of order)
+            raise APIError(f"messages: the chat template rejected them: {err}", param="messages") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.target.served_name:
+            raise APIError(
+                f"model {model!r} does not exist; this server serves {self.config.target.served_name!r}",
+                status=404, param="model", code="model_not_found",
+            )
+
+    def _job(self, body, prompt_ids: list[int], request: Request):
+        serving = self.config.serving
+        max_tokens = resolve_max_tokens(
+            body.requested_max_tokens, prompt_len=len(prompt_ids), default=serving.default_max_tokens,
+            limit=serving.max_tokens_limit, max_seq_len=self.max_seq_len,
+        )
+        try:
+            arm = self.router.assign(body.user, request.headers.get(ARM_HEADER))
+        except UnknownArmError as err:
+            raise APIError(str(err), param=ARM_HEADER, code="unknown_arm") from None
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                top_k=body.top_k_or_none, seed=body.seed,
+            )
+        except ValueError as err:
+            raise APIError(str(err), code="invalid_value") from None
+        request_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
+        job = DecodeJob(request_id, tuple(prompt_ids), params, arm.to_arm_spec(), body.stop_strings, body.speculate)
+        return job, arm
+
+    async def _serve(self, body, prompt_ids: list[int], request: Request, *, chat: bool) -> Response:
+        job, arm = self._job(body, prompt_ids, request)
+        events = await self._start(job)
+        headers = {ARM_RESPONSE_HEADER: arm.name}
+        if body.stream:
+            stream = self._stream(job, events, body, chat=chat)
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        text, finished = [], None
+        try:
+            async for event in events:
+                if isinstance(event, TextDelta):
+                    text.append(event.text)
+                elif isinstance(event, Finished):
+                    finished = event
+        finally:
+            events.cancel()  # a no-op once finished; frees the sequence if this handler is cancelled
+        if finished is None or finished.finish_reason == "error":
+            raise APIError(
+                f"generation failed: {finished.error if finished else 'the unit ended the stream'}",
+                status=500, type="server_error", code="unit_failed",
+            )
+        text.append(finished.text)
+        self._maybe_audit(job, finished)
+        usage = usage_body(len(job.prompt_ids), len(finished.token_ids), finished.speculative)
+        result = completion_body(job.request_id, body.model, "".join(text), _openai_reason(finished), usage,
+                                 chat=chat, created=int(time.time()))
+        return JSONResponse(result, headers=headers)
+
+    async def _start(self, job: DecodeJob):
+        """Send the job to a unit and wait until one accepted it; 503 + Retry-After when every queue is full."""
+        events = self.decoder.generate.remote(job)
+        try:
+            first = await events.__anext__()
+        except BackPressureError as err:
+            retry = err.retry_after_s or DEFAULT_RETRY_AFTER_S
+            raise APIError(
+                f"server overloaded: {err}", status=503, type="server_overloaded", code="queue_full",
+                headers={"Retry-After": str(max(1, round(retry)))},
+            ) from None
+        if not isinstance(first, UnitStarted):
+            raise RuntimeError(f"unit protocol: expected UnitStarted, got {type(first).__name__}")
+        return events
+
+    async def _stream(self, job: DecodeJob, events, body, *, chat: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        model = body.model
+        finished = None
+        try:
+            if chat:
+                yield _sse(chunk_body(job.request_id, model, created, chat=True, role=True))
+            async for event in events:
+                if isinstance(event, TextDelta) and event.text:
+                    yield _sse(chunk_body(job.request_id, model, created, chat=chat, text=event.text))
+                elif isinstance(event, Finished):
+                    finished = event
+            if finished is None or finished.finish_reason == "error":
+                message = finished.error if finished else "the unit ended the stream"
+                yield _sse(error_body(f"generation failed: {message}", type="server_error", code="unit_failed"))
+            else:
+                if finished.text:
+                    yield _sse(chunk_body(job.request_id, model, created, chat=chat, text=finished.text))
+                yield _sse(chunk_body(job.request_id, model, created, chat=chat,
+                                      finish_reason=_openai_reason(finished)))
+                if body.include_usage:
+                    usage = usage_body(len(job.prompt_ids), len(finished.token_ids), finished.speculative)
+                    yield _sse(chunk_body(job.request_id, model, created, chat=chat, usage=usage, no_choices=True))
+                self._maybe_audit(job, finished)
+            yield SSE_DONE
+        except Exception as err:  # the status line is sent already: report in-band, then end the stream
+            logger.exception("request %s: stream failed", job.request_id)
+            yield _sse(error_body(f"generation failed: {err}", type="server_error", code="stream_failed"))
+            yield SSE_DONE
+        finally:
+            events.cancel()  # client gone (or done): the unit aborts the sequence and frees its caches
+
+    # --- quality audit -----------------------------------------------------------------------------------
+    def _maybe_audit(self, job: DecodeJob, finished: Finished) -> None:
+        if not self.sampler.should_audit(job.request_id, job.arm.verification, job.params.temperature):
+            return
+        if finished.finish_reason not in ("stop", "length"):
+            return
+        reference = self.config.arm(self.config.audit.reference_arm).to_arm_spec()
+        replay_job = DecodeJob(
+            f"{job.request_id}-audit", job.prompt_ids, job.params, reference, job.stop, job.speculate
+        )
+
+        async def replay() -> list[int]:
+            events = self.decoder.generate.remote(replay_job)
+            tokens: list[int] = []
+            async for event in events:
+                if isinstance(event, Finished):
+                    tokens = list(event.token_ids)
+            return tokens
+
+        self.auditor.submit(
+            job.request_id, job.arm.name, finished.token_ids, finished.regret_spent or 0.0, replay, finished.unit
+        )
+
+    def _send_audit(self, record) -> None:
+        self.hub().record.remote([record])

@@ -1,0 +1,91 @@
+"""actors.engines.native.engine.Engine: sequence bookkeeping, rollback, slot reuse, growth, input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engines.native.engine import Engine
+from actors.engines.native.kv_cache import POSITION_CHUNK, SLOT_CHUNK
+from actors.engines.native import load_model
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    torch.set_num_threads(1)
+    return load_model(tiny_llama_dir)[0]
+
+
+def test_crop_then_append_equals_never_appended(model):
+    engine = Engine(model, max_slots=2)
+    prompt, rejected, accepted = [5, 6, 7, 8], [40, 41, 42], [90, 91]
+    engine.forward(["a"], [prompt])
+    engine.forward(["a"], [rejected])
+    engine.crop("a", len(prompt))
+    assert engine.length("a") == 4
+    got = engine.forward(["a"], [accepted])[0]
+    ref = Engine(model).forward(["b"], [prompt + accepted])[0, -2:]
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
+def test_release_frees_the_slot_for_a_new_sequence(model):
+    engine = Engine(model, max_slots=2)
+    engine.forward(["a", "b"], [[1, 2], [3]])
+    assert sorted(engine.active_ids()) == ["a", "b"]
+    with pytest.raises(ValueError, match="seq_ids"):
+        engine.forward(["c"], [[4]])
+    assert engine.release("a") and not engine.release("a")
+    fresh = engine.forward(["c"], [[9, 10, 11]])[0]
+    torch.testing.assert_close(fresh, Engine(model).forward(["z"], [[9, 10, 11]])[0], atol=ATOL, rtol=0)
+    assert sorted(engine.active_ids()) == ["b", "c"] and engine.length("c") == 3
+
+
+def test_cache_grows_past_its_chunks_without_changing_results(model):
+    n = SLOT_CHUNK + 1
+    engine = Engine(model, max_slots=n + 1)
+    ids = [f"s{i}" for i in range(n)]
+    engine.forward(ids, [[i + 3] for i in range(n)])
+    long = list(range(3, 3 + POSITION_CHUNK + 10))
+    got = engine.forward_last(["s0"], [long])[0]  # grows capacity while n slots hold data
+    ref = Engine(model).forward_last(["x"], [[3] + long])[0]
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+    assert engine.cache.num_slots == 2 * SLOT_CHUNK and engine.cache.capacity == 2 * POSITION_CHUNK
+
+
+def test_num_logits_returns_the_last_rows(model):
+    engine = Engine(model, max_slots=4)
+    tokens = [[1, 2, 3, 4], [5, 6], [7]]
+    full = Engine(model, max_slots=4).forward(["a", "b", "c"], tokens)
+    tail = engine.forward(["a", "b", "c"], tokens, num_logits=[2, 2, 1])
+    torch.testing.assert_close(tail[0], full[0, 2:4], atol=ATOL, rtol=0)
+    torch.testing.assert_close(tail[1], full[1, 0:2], atol=ATOL, rtol=0)
+    torch.testing.assert_close(tail[2, 0], full[2, 0], atol=ATOL, rtol=0)
+    last = Engine(model).forward_last(["a", "b", "c"], tokens)
+    torch.testing.assert_close(last[1], full[1, 1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "call, argument",
+    [
+        (lambda e: e.forward([], []), "seq_ids"),
+        (lambda e: e.forward("a", [[1]]), "seq_ids"),
+        (lambda e: e.forward(["a", "a"], [[1], [2]]), "seq_ids"),
+        (lambda e: e.forward(["a"], [[1], [2]]), "tokens"),
+        (lambda e: e.forward(["a"], [[]]), "tokens"),
+        (lambda e: e.forward(["a"], [[-1]]), "tokens"),
+        (lambda e: e.forward(["a"], [[49152]]), "tokens"),
+        (lambda e: e.forward(["a"], [list(range(9))]), "tokens"),  # over max_seq_len 8
+        (lambda e: e.forward(["a"], [[1, 2]], num_logits=[3]), "num_logits"),
+        (lambda e: e.length("nope"), "seq_id"),
+        (lambda e: e.crop("nope", 0), "seq_id"),
+        (lambda e: e.crop("k", 5), "length"),
+    ],
+)
+def test_bad_input_is_a_value_error_naming_the_argument(model, call, argument):
+    engine = Engine(model, max_slots=2, max_seq_len=8)
+    engine.forward(["k"], [[1, 2]])
+    with pytest.raises(ValueError, match=f"^{argument}:"):
+        call(engine)
+    assert engine.active_ids() == ["k"] and engine.length("k") == 2  # a refused call changes nothing

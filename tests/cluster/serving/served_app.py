@@ -1,0 +1,32 @@
+"""Fixtures for tests that serve a real app: a free loopback port and one Serve app per test module."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served_app(config: dict, app_name: str) -> Iterator[str]:
+    """Serve `config` on a fresh Serve instance at a free port; yields the base URL. Serve is shut down after,
+    so the next module's `serve.start` gets its own port (a running Serve ignores new http_options)."""
+    from ray import serve
+
+    from cluster.serving.app import build_app
+    from cluster.cli import _kill_app_actors
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"config": config}), name=app_name, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        _kill_app_actors(app_name)
