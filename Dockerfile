@@ -6,7 +6,7 @@
 #   docker build --build-arg VARIANT=gpu -t specserve:0.1.0-gpu .           # CUDA (torch cu128 wheels)
 #   docker build --build-arg VARIANT=gpu --build-arg EXTRAS=[vllm] -t specserve:0.1.0-gpu-vllm .
 #
-# RAY_VERSION must equal rayVersion in the manifests (cluster/k8s.py: RAY_VERSION).
+# RAY_VERSION must equal rayVersion in the manifests (cluster/k8s/render.py: RAY_VERSION).
 ARG RAY_VERSION=2.60.0
 ARG VARIANT=cpu
 FROM rayproject/ray:${RAY_VERSION}-py311-${VARIANT}
@@ -39,7 +39,7 @@ RUN pip install --no-cache-dir ".${EXTRAS}" \
 ENV SPECSERVE_CACHE=/home/ray/.cache/specserve \
     HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false
-RUN cd / && python -c "from actors.loading import load_tokenizer, resolve; \
+RUN cd / && python -c "from actors.sources import load_tokenizer, resolve; \
 print(resolve('embedded:smollm2')); load_tokenizer('embedded:smollm2')"
 
-# KubeRay supplies the command (ray start ...); Serve imports cluster.app:build_app from the installed package.
+# KubeRay supplies the command (ray start ...); Serve imports cluster.serving.app:build_app from the installed package.
