@@ -7,7 +7,7 @@
   session tmp dir. Token ids and chat templates therefore match SmolLM2, so drafters and coordinators can be
   tested on it and then pointed at the real model.
 - `tiny_llama_pair`: two such models with different seeds (a target and a "drafter" of the same vocabulary).
-- `ray_cluster`: a session-scoped local Ray cluster (`ray.init(num_cpus=2)`). Ray 2.60 enables token
+- `ray_cluster`: a session-scoped local Ray cluster (`ray.init(address="local", num_cpus=2)`). Ray 2.60 enables token
   authentication by default for a local cluster and generates the token itself (~/.ray/auth_token); nothing
   needs setting. Set RAY_AUTH_MODE=disabled in the environment to opt out.
 """
@@ -69,6 +69,7 @@ def ray_cluster():
     """A local Ray cluster shared by the whole session (2 CPUs)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # address="local": a private cluster, never another process's (ray.init() alone joins the newest one)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()

@@ -96,7 +96,7 @@ def test_sampled_speculation_follows_the_target_distribution(tmp_path_factory, s
     target's p(t1)·p(t2 | t1). Vocabulary 8, 4000 seeded requests, chi-square over cells with expected ≥ 5.
     The statistic is deterministic at these fixed seeds; the bound p > 1e-4 leaves a wide margin, and a biased
     sampler (e.g. accepting drafts without the min(1, p/q) test) fails it by orders of magnitude."""
-    scipy_stats = pytest.importorskip("scipy.stats")
+    from scipy import stats as scipy_stats
     vocab = 8
     tgt_dir = save_tiny_llama(tmp_path_factory.mktemp("v8t"), smollm2_tokenizer, seed=3, vocab_size=vocab,
                               bos_token_id=0, eos_token_id=0, pad_token_id=0)
