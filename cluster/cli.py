@@ -6,6 +6,7 @@
     specserve ab report ...            (cluster.experiments.report)
     specserve render-k8s CONFIG [--image IMAGE] [--out PATH]
     specserve bench ...                (cluster.bench.run)
+    specserve eval ...                 (cluster.experiments.eval.cli)
 
 Ray 2.60 turns token authentication on for a local cluster it starts and writes the token to
 ~/.ray/auth_token; `serve` and `status` work with it as is (set RAY_AUTH_MODE=disabled to opt out, loopback
@@ -218,10 +219,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_render_k8s(args: argparse.Namespace) -> int:
+    import yaml
+
+    from cluster.k8s.crd import CRD_ENV, find_crd_dir, load_rayservice_schema, validate_rayservice
     from cluster.k8s.render import render_to_file
 
     out = render_to_file(args.config, image=args.image, out=args.out)
-    print(f"wrote {out}")
+    crds = find_crd_dir()
+    if crds is None:
+        print(f"wrote {out} (not validated: no KubeRay CRDs found; set {CRD_ENV} to their folder)")
+        return 0
+    validate_rayservice(yaml.safe_load(out.read_text()), load_rayservice_schema(crds))
+    print(f"wrote {out} (valid against the KubeRay CRD in {crds})")
     return 0
 
 
@@ -275,11 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks: `specserve bench --help` (cluster.bench.run)")
     bench.set_defaults(handler=lambda a: _delegate("cluster.bench.run", ["--help"]))
+
+    evaluate = commands.add_parser("eval", help="task suites scored per arm: `specserve eval --help`")
+    evaluate.set_defaults(handler=lambda a: _delegate("cluster.experiments.eval.cli", ["--help"]))
     return parser
 
 
 # Subcommands whose own parsers own every argument after them.
-DELEGATES = {("ab", "report"): "cluster.experiments.report", ("bench",): "cluster.bench.run"}
+DELEGATES = {("ab", "report"): "cluster.experiments.report", ("bench",): "cluster.bench.run",
+             ("eval",): "cluster.experiments.eval.cli"}
 
 
 def main(argv: list[str] | None = None) -> int:
