@@ -143,6 +143,7 @@ class Coordinator:
             await self.drafter.close()
 
     async def stop(self) -> None:
+        self.scheduler.drop_pending_plan()  # it belongs to this event loop, which may end with the stop
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
@@ -259,19 +260,7 @@ class Coordinator:
             for i, _ in asks:
                 rows[i].degraded = True
             return DraftBatch.empty(len(rows)), time.perf_counter() - start
-        elapsed = time.perf_counter() - start
-        width = sub.draft_ids.shape[1]
-        ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.long)  # [B, Kmax]
-        lens = torch.zeros(len(rows), dtype=torch.long)  # [B]
-        probs = None
-        if sub.draft_probs is not None:
-            probs = torch.zeros(len(rows), width, sub.draft_probs.shape[-1])  # [B, Kmax, V]
-        for j, (i, _) in enumerate(asks):
-            ids[i] = sub.draft_ids[j]
-            lens[i] = sub.draft_lens[j]
-            if probs is not None:
-                probs[i] = sub.draft_probs[j]
-        return DraftBatch(ids, lens, probs), elapsed
+        return sub.scatter([i for i, _ in asks], len(rows)), time.perf_counter() - start
 
     def _drafter_ready(self) -> bool:
         """False while a failed drafter is being restarted; rounds meanwhile decode target-only."""

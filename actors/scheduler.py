@@ -194,6 +194,8 @@ class Scheduler:
         if self._pending_plan is None:
             return
         (keys, pending), self._pending_plan = self._pending_plan, None
+        if pending.cancelled():  # the loop it ran on stopped before it finished
+            return
         try:
             _, plan = await pending
         except Exception as exc:  # the policy is restarting: keep last round's plan

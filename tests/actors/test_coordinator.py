@@ -204,3 +204,13 @@ def test_free_drafts_fill_the_round_width():
     assert scheduler.gammas(rows, can_draft=True, free_drafts=True) == [5, 5, 0, 2]  # d may emit 3: 2 drafts + 1
     assert scheduler.gammas(rows, can_draft=True, free_drafts=False) == [5, 0, 0, 2]
     assert scheduler.gammas(rows, can_draft=False, free_drafts=True) == [0, 0, 0, 0]
+
+
+def test_a_unit_serves_again_on_a_new_event_loop(tiny):
+    """generate_many_sync runs each call on its own event loop: state tied to the first loop (the loop task,
+    a γ plan deferred by an exact-only round, which `stop` drops) must not carry into the next one."""
+    coord = unit(tiny[0], NgramDrafter(1, 3))
+    first = coord.generate_many_sync([greedy(f"a{i}", p) for i, p in enumerate(PROMPTS)])
+    asd = ArmSpec("asd0", "asd", ASDConfig(g=5.0, max_relaxed_per_block=3, budget=0.0))
+    again = coord.generate_many_sync([greedy(f"b{i}", p, arm=asd) for i, p in enumerate(PROMPTS)])
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
