@@ -3,7 +3,7 @@
 Sizes are chosen for the 2-core CPU this project develops on (one SmolLM2 decode step ≈ 68 ms at batch 1):
 `quick` finishes in under 5 minutes, `full` in under 50, on a quiet machine. The quality section answers a
 task suite on every arm: quick = 2 HumanEval problems capped at 96 tokens (a smoke test: too few problems for a
-quality figure), full = 8 copy-heavy rewrites on the config's arms and two more gates.
+quality figure), full = 8 copy-heavy rewrites on the config's arms and two narrower gates.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ FULL = BenchPlan(
     http_concurrency=(1, 2, 4, 8, 16), http_modes=("adaptive", "best_fixed", "target_only"),
     quality_suite="humaneval-rewrite", quality_problems=8,
     quality_asd_settings=(ASDSetting(g=1, max_relaxed_per_block=2, budget=8),
-                          ASDSetting(g=4, max_relaxed_per_block=2, budget=8)),
+                          ASDSetting(g=2, max_relaxed_per_block=2, budget=8)),
 )
 
 PRESETS = {"quick": QUICK, "full": FULL}

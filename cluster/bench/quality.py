@@ -10,8 +10,8 @@ scored by the suite's tests, compared with the exact reference arm paired by pro
   `summary_entry(section)` is the summary key `asd_quality_delta`, `markdown(section)` the report's part.
 - `grid_config(config, settings)`: the config with its exact reference arm and one ASD arm per setting,
   named by the setting's label (`g2_M2_B8`).
-- `python -m cluster.bench.quality CONFIG --suite S --limit N --out DIR [--settings g2_M2_B8,...]`: the grid
-  run behind docs/benchmarks.md (resumable: rerun the same command).
+- `python -m cluster.bench.quality CONFIG --suite S --limit N --out DIR [--settings g2_M2_B8,...]
+  [--torch-threads 1]`: the grid run behind docs/benchmarks.md (resumable: rerun the same command).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from cluster.bench.plan import ASDSetting
 
 log = logging.getLogger(__name__)
 
-# One factor at a time around the shipped default (g 2, M 2, B 8): the (g, M, B) cube of 3 × 2 × 3 settings
+# One factor at a time around the earlier default (g 2, M 2, B 8): the (g, M, B) cube of 3 × 2 × 3 settings
 # does not fit the CPU time of one run on a shared 2-core machine, and the default's neighbours on each axis
 # say which knob moves speed and quality.
 DEFAULT_GRID = tuple(ASDSetting(g=g, max_relaxed_per_block=m, budget=b) for g, m, b in (
