@@ -122,7 +122,8 @@ def test_quality_section_scores_every_arm_against_exact(tiny_config, tmp_path):
     assert set(delta) == {"asd"}
     entry = delta["asd"]
     assert entry["delta"] == 0.0 and entry["ci95"] == [0.0, 0.0] and entry["n"] == 2
-    assert entry["settings"] == {"g": 2.0, "max_relaxed_per_block": 2, "budget": 8.0}
+    shipped = yaml.safe_load((ROOT / "configs/local.yaml").read_text())["arms"][1]["asd"]
+    assert entry["settings"] == shipped
     assert entry["reference"] == "exact" and entry["mcnemar_p"] == 1.0 and entry["speed_ratio"] > 0
     assert "## Task quality per arm" in (out / "report.md").read_text()
     assert (out / "quality" / "rows.jsonl").is_file() and (out / "quality" / "results.json").is_file()
