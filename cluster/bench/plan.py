@@ -1,7 +1,9 @@
 """What a benchmark run measures and how much of it: the `quick` and `full` presets.
 
 Sizes are chosen for the 2-core CPU this project develops on (one SmolLM2 decode step ≈ 68 ms at batch 1):
-`quick` finishes in under 5 minutes, `full` in under 40, on a quiet machine.
+`quick` finishes in under 5 minutes, `full` in under 50, on a quiet machine. The quality section answers a
+task suite on every arm: quick = 2 HumanEval problems capped at 96 tokens (a smoke test: too few problems for a
+quality figure), full = 8 copy-heavy rewrites on the config's arms and two narrower gates.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class BenchPlan(BaseModel):
     http_workload: str = Field("code", description="Workload of the HTTP concurrency sweep.")
     http_concurrency: tuple[int, ...] = Field(description="Concurrency levels through the HTTP app.")
     http_modes: tuple[str, ...] = Field(description="'adaptive', 'best_fixed', 'target_only'.")
+    quality_suite: str = Field("humaneval", description="`specserve eval` suite of the quality section.")
+    quality_problems: int = Field(ge=1, description="The quality suite's first N problems.")
+    quality_max_tokens: int | None = Field(None, ge=1, description="max_tokens per answer (None: the suite's).")
+    quality_asd_settings: tuple[ASDSetting, ...] = Field(
+        (), description="ASD settings the quality section runs besides the config's arms.")
 
 
 QUICK = BenchPlan(
@@ -54,9 +61,10 @@ QUICK = BenchPlan(
     asd_settings=(ASDSetting(g=8, max_relaxed_per_block=8, budget=1000),), asd_workloads=WORKLOADS,
     hf_modes=("plain", "prompt_lookup_3", "prompt_lookup_10"),
     http_concurrency=(1, 8), http_modes=("adaptive",),
+    quality_problems=2, quality_max_tokens=96,
 )
 
-# Full, estimated on a quiet 2-core CPU: single ≈ 12 min, batched ≈ 4, ASD ≈ 6, HF ≈ 8, HTTP ≈ 5.
+# Full, estimated on a quiet 2-core CPU: single ≈ 12 min, batched ≈ 4, ASD ≈ 6, HF ≈ 8, HTTP ≈ 5, quality ≈ 10.
 FULL = BenchPlan(
     name="full", prompts=4, max_tokens=64, repeats=3, gammas=(0, 1, 2, 4, 6, 8),
     batched_workloads=("code",), batched_gammas=(0, 1, 2, 4, 6, 8),
@@ -65,6 +73,9 @@ FULL = BenchPlan(
     asd_workloads=WORKLOADS,
     hf_modes=("plain", "prompt_lookup_3", "prompt_lookup_10"), hf_assistant_workloads=("code",),
     http_concurrency=(1, 2, 4, 8, 16), http_modes=("adaptive", "best_fixed", "target_only"),
+    quality_suite="humaneval-rewrite", quality_problems=8,
+    quality_asd_settings=(ASDSetting(g=1, max_relaxed_per_block=2, budget=8),
+                          ASDSetting(g=2, max_relaxed_per_block=2, budget=8)),
 )
 
 PRESETS = {"quick": QUICK, "full": FULL}

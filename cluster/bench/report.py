@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from cluster.bench.quality import markdown as quality_markdown
+
 log = logging.getLogger(__name__)
 
 
@@ -114,6 +116,8 @@ def markdown(results: dict, plots: list[str]) -> str:
             lines += ["", f"Single stream, adaptive γ, interleaved request by request: HTTP "
                       f"{_fmt(one['http_tokens_per_s'])} tok/s vs in-process {_fmt(one['inprocess_tokens_per_s'])} "
                       f"({_fmt(one['ratio'])}×)."]
+    if sections.get("quality"):
+        lines += quality_markdown(sections["quality"])
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"

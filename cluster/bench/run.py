@@ -25,7 +25,7 @@ from cluster.bench.plan import PRESETS, ASDSetting, BenchPlan
 
 log = logging.getLogger("specserve.bench")
 
-SECTIONS = ("single", "batched", "asd", "hf", "http")
+SECTIONS = ("single", "batched", "asd", "hf", "http", "quality")
 DEFAULT_CONFIG = "configs/local.yaml"
 TORCH_THREADS = 2
 STALL_TOLERANCE = 0.02  # a single-stream section with more stalled rounds than this is measured again,
@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=None, help="override: max_tokens per request")
     parser.add_argument("--repeats", type=int, default=None, help="override: repeats per measurement")
     parser.add_argument("--port", type=int, default=8765, help="HTTP port of the benchmark app (127.0.0.1)")
+    parser.add_argument("--quality-suite", default=None, help="override: the quality section's eval suite")
+    parser.add_argument("--quality-problems", type=int, default=None, help="override: its first N problems")
     return parser.parse_args(argv)
 
 
@@ -57,7 +59,8 @@ def make_plan(args: argparse.Namespace) -> BenchPlan:
                       asd_workloads=tuple(w for w in plan.asd_workloads if w in workloads),
                       hf_assistant_workloads=tuple(w for w in plan.hf_assistant_workloads if w in workloads),
                       http_workload=plan.http_workload if plan.http_workload in workloads else workloads[0])
-    for field, value in (("prompts", args.prompts), ("max_tokens", args.max_tokens), ("repeats", args.repeats)):
+    for field, value in (("prompts", args.prompts), ("max_tokens", args.max_tokens), ("repeats", args.repeats),
+                         ("quality_suite", args.quality_suite), ("quality_problems", args.quality_problems)):
         if value is not None:
             update[field] = value
     return BenchPlan.model_validate({**plan.model_dump(), **update}) if update else plan
@@ -157,7 +160,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                          args.resume)
     started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
     steps = len(plan.workloads) * (1 + ("asd" not in skip) + ("hf" not in skip)) + 2 + (
-        0 if "batched" in skip else len(plan.batched_workloads)) + ("http" not in skip)
+        0 if "batched" in skip else len(plan.batched_workloads)) + ("http" not in skip) + ("quality" not in skip)
     progress = Progress(steps)
 
     target = config.target
@@ -226,6 +229,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         best = results["single"][w]["gamma_sweep"]["best_fixed_gamma"]
         results["http"] = section("http", lambda: sections.http(bench, config, prompts[w], plan, best,
                                                                   args.port))
+    if "quality" not in skip:
+        from cluster.bench.quality import quality_section
+
+        results["quality"] = section("quality", lambda: quality_section(
+            config, suite=plan.quality_suite, problems=plan.quality_problems, max_tokens=plan.quality_max_tokens,
+            settings=plan.quality_asd_settings, out_dir=out / "quality", resume=args.resume, progress=log.info))
     progress.step("done")
 
     from cluster.bench.summary import build_summary, judge

@@ -1,7 +1,8 @@
 """The `summary` of results.json and the goals it is judged against, with the reason for every miss.
 
-Each summary value is a number or {workload: number}; a goal on a per-workload value must hold on every
-workload. Reasons are built from the measured quantities (α, v(γ), round-time shares, engine speeds), so a
+Each summary value is a number or {workload: number}, except `asd_quality_delta`: {ASD arm: {delta, ci95,
+mcnemar_p, n, speed_ratio, settings, suite, reference}} from the quality section (task score difference to the
+exact arm, `cluster.bench.quality`). A goal on a per-workload value must hold on every workload. Reasons are built from the measured quantities (α, v(γ), round-time shares, engine speeds), so a
 missed goal says what the measurement shows rather than what we hoped.
 """
 
@@ -10,9 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cluster.bench.quality import summary_entry as quality_summary
+
 SUMMARY_KEYS = (
     "spec_vs_target_only", "adaptive_vs_best_fixed", "realized_vs_predicted", "asd_vs_exact", "asd_divergence",
-    "vs_hf_assisted", "http_vs_inprocess", "concurrency8_vs_1",
+    "vs_hf_assisted", "http_vs_inprocess", "concurrency8_vs_1", "asd_quality_delta",
 )
 
 
@@ -71,6 +74,8 @@ def build_summary(sections: dict) -> dict:
             out["http_vs_inprocess"] = http["single_stream"]["ratio"]
         if ("adaptive", 1) in rows and ("adaptive", 8) in rows:
             out["concurrency8_vs_1"] = _ratio(rows[("adaptive", 8)], rows[("adaptive", 1)])
+    if sections.get("quality"):
+        out["asd_quality_delta"] = quality_summary(sections["quality"])
     return {k: out[k] for k in SUMMARY_KEYS if k in out and out[k] is not None}
 
 

@@ -18,6 +18,11 @@ interval: each arm's requests are resampled with replacement independently (`--r
 numpy generator seeded by `--seed`), the statistic recomputed on both, and the 2.5th and 97.5th percentiles
 of the differences reported. An interval that excludes 0 is a difference the data support.
 
+Quality (`--eval DIR|results.json`, a `specserve eval` result): per arm, the task score difference to the
+eval's reference in points and the tokens/s ratio, each with its 95% paired-bootstrap CI, and McNemar's p
+(`cluster.experiments.eval.report.quality_section`), shown after the speed figures (`--json`: key
+`quality`). With `--eval` and neither `--url` nor `--file`, the report is the quality section alone.
+
 Hooks for the CLI: `add_parser(subparsers)` registers `report` under the `ab` command (sets `func=run`);
 `main(argv)` parses the arguments after `ab report` and returns the exit status. `build_report(export)` is the
 pure computation (JSON-able dict; `--json` prints it).
@@ -277,9 +282,11 @@ def render_text(report: dict) -> str:
 def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the report's arguments to `parser`."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--url", default=DEFAULT_URL,
-                        help=f"running service; the export is read from URL{EXPORT_PATH} (default %(default)s)")
+    source.add_argument("--url", help=f"running service; the export is read from URL{EXPORT_PATH} "
+                                      f"(default {DEFAULT_URL}, unless only --eval is given)")
     source.add_argument("--file", type=Path, help="read a saved export (JSON) instead of the service")
+    parser.add_argument("--eval", type=Path, help="a `specserve eval` result (its output directory or results.json): "
+                                                  "show task quality per arm beside the speed figures")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
     parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES,
@@ -307,10 +314,32 @@ def load_export(url: str | None = None, file: Path | None = None, timeout: float
     return response.json()
 
 
+def render_quality(quality: dict) -> str:
+    """The quality section as text (its markdown table reads as is in a terminal)."""
+    return f"\ntask quality (specserve eval), reference arm {quality['reference']}\n{quality['markdown']}"
+
+
+def _quality(path: Path | None) -> dict | None:
+    """The quality section of an eval result, or None without `--eval`; ValueError/OSError when unreadable."""
+    if path is None:
+        return None
+    from cluster.experiments.eval.report import quality_section, read_eval_report
+
+    return quality_section(read_eval_report(path))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the report for parsed arguments; 0 on success, 2 when the export can't be read or used."""
+    """Run the report for parsed arguments; 0 on success, 2 when the export or the eval can't be read or used."""
     try:
-        export = load_export(args.url, args.file, args.timeout)
+        quality = _quality(getattr(args, "eval", None))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        sys.stderr.write(f"specserve ab report: could not read the eval result: {err}\n")
+        return 2
+    if quality is not None and args.url is None and args.file is None:
+        sys.stdout.write(json.dumps({"quality": quality}, indent=2) + "\n" if args.json else render_quality(quality))
+        return 0
+    try:
+        export = load_export(args.url or DEFAULT_URL, args.file, args.timeout)
     except (OSError, ValueError, httpx.HTTPError) as err:
         sys.stderr.write(f"specserve ab report: could not read the export: {err}\n")
         return 2
@@ -319,12 +348,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, TypeError) as err:
         sys.stderr.write(f"specserve ab report: unusable export: {err}\n")
         return 2
-    sys.stdout.write(json.dumps(report, indent=2) + "\n" if args.json else render_text(report))
+    if args.json:
+        sys.stdout.write(json.dumps({**report, **({"quality": quality} if quality else {})}, indent=2) + "\n")
+    else:
+        sys.stdout.write(render_text(report) + (render_quality(quality) if quality else ""))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`specserve ab report [--url URL | --file EXPORT.json] [--json] [--seed N] [--resamples N]
+    """`specserve ab report [--url URL | --file EXPORT.json] [--eval DIR] [--json] [--seed N] [--resamples N]
     [--reference ARM]`; argv are the arguments after `ab report`."""
     parser = argparse.ArgumentParser(prog="specserve ab report", description=__doc__.split("\n\n")[0])
     configure_parser(parser)

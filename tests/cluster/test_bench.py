@@ -74,7 +74,7 @@ def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
     from cluster.bench.run import main
 
     out = tmp_path / "bench"
-    argv = ["--quick", "--out", str(out), "--skip", "http", "--workloads", "code,edit", "--prompts", "1",
+    argv = ["--quick", "--out", str(out), "--skip", "http,quality", "--workloads", "code,edit", "--prompts", "1",
             "--max-tokens", "6", str(tiny_config)]
     try:
         assert main(argv) == 0
@@ -82,7 +82,7 @@ def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
         torch.set_num_threads(1)
     results = json.loads((out / "results.json").read_text())
     summary = results["summary"]
-    assert set(summary) == set(SUMMARY_KEYS) - {"http_vs_inprocess", "concurrency8_vs_1"}
+    assert set(summary) == set(SUMMARY_KEYS) - {"http_vs_inprocess", "concurrency8_vs_1", "asd_quality_delta"}
     for key, value in summary.items():
         values = value.values() if isinstance(value, dict) else [value]
         assert values and all(isinstance(v, (int, float)) and math.isfinite(v) for v in values), key
@@ -99,6 +99,42 @@ def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
     assert main(argv + ["--resume"]) == 0
 
 
+def test_quality_section_scores_every_arm_against_exact(tiny_config, tmp_path):
+    import torch
+
+    from cluster.bench.run import main
+
+    out = tmp_path / "bench"
+    argv = ["--quick", "--out", str(out), "--skip", "batched,asd,hf,http", "--workloads", "code", "--prompts", "1",
+            "--max-tokens", "6", "--quality-problems", "2", str(tiny_config)]
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(1)
+    results = json.loads((out / "results.json").read_text())
+    quality = results["sections"]["quality"]
+    report = quality["report"]
+    assert quality["suite"] == "humaneval" and report["reference"] == "exact"
+    assert list(report["arms"]) == ["exact", "asd"] and all(a["n"] == 2 for a in report["arms"].values())
+    # the summary key: per ASD arm, the score difference to exact with its CI (a random model fails every
+    # problem on both arms, so the difference is 0 and so is its whole interval)
+    delta = results["summary"]["asd_quality_delta"]
+    assert set(delta) == {"asd"}
+    entry = delta["asd"]
+    assert entry["delta"] == 0.0 and entry["ci95"] == [0.0, 0.0] and entry["n"] == 2
+    shipped = yaml.safe_load((ROOT / "configs/local.yaml").read_text())["arms"][1]["asd"]
+    assert entry["settings"] == shipped
+    assert entry["reference"] == "exact" and entry["mcnemar_p"] == 1.0 and entry["speed_ratio"] > 0
+    assert "## Task quality per arm" in (out / "report.md").read_text()
+    assert (out / "quality" / "rows.jsonl").is_file() and (out / "quality" / "results.json").is_file()
+    # without --resume the eval's rows start afresh; with it, the stored section is reused as is
+    assert main(argv) == 0 and len((out / "quality" / "rows.jsonl").read_text().splitlines()) == 4
+    again = json.loads((out / "results.json").read_text())["sections"]["quality"]
+    assert again["report"]["created"] > report["created"]
+    assert main(argv + ["--resume"]) == 0
+    assert json.loads((out / "results.json").read_text())["sections"]["quality"] == again
+
+
 @pytest.mark.slow
 def test_http_section_measures_the_served_app(tiny_config, tmp_path):
     import torch
@@ -106,7 +142,7 @@ def test_http_section_measures_the_served_app(tiny_config, tmp_path):
     from cluster.bench.run import main
 
     out = tmp_path / "bench"
-    argv = ["--quick", "--out", str(out), "--skip", "batched,asd,hf", "--workloads", "code", "--prompts", "2",
+    argv = ["--quick", "--out", str(out), "--skip", "batched,asd,hf,quality", "--workloads", "code", "--prompts", "2",
             "--max-tokens", "6", "--port", "8791", str(tiny_config)]
     try:
         assert main(argv) == 0
