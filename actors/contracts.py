@@ -26,6 +26,7 @@ import torch
 from actors.sampling import GREEDY, SamplingSpec
 from policies import PAD_TOKEN_ID, Verdict
 from policies.asd import ASDConfig
+from policies.asd_sampled import SampledScores
 from policies.scores import TargetScores
 
 NO_CROP = -1  # TargetBatch.crops[b]: keep every cached position
@@ -114,6 +115,9 @@ class TargetBatch:
     sampling: list[SamplingSpec]  # per row
     draft_probs: torch.Tensor | None = None  # [B, Kmax, V] q rows of a model drafter, None = one-hot q
     prefill: bool = False  # rows are prompts: only the last position is scored
+    # row -> its arm's ASDConfig, for sampled rows an ASD arm verifies with the relaxed rule
+    # (`policies.asd_sampled`): the target returns their SampledScores instead of sampling them in place
+    relaxed_sampled: dict[int, ASDConfig] = field(default_factory=dict)
 
     def num_logits(self) -> list[int]:
         """Logit rows each row needs: the last prompt position at prefill, pending + drafts otherwise."""
@@ -126,6 +130,8 @@ class TargetResult:
     sampled_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> emitted tokens (sampled rows)
     sampled_accepted: dict[int, int] = field(default_factory=dict)  # row -> draft tokens accepted
     forward_s: float = 0.0  # model forward time inside the target
+    sampled_scores: dict[int, SampledScores] = field(default_factory=dict)  # row -> [1, Kmax] on the CPU
+    # (the rows of `TargetBatch.relaxed_sampled`; their decision and charge happen in the policy)
 
 
 class Engine(Protocol):
@@ -185,12 +191,14 @@ class RoundReport:
 
 @dataclass(frozen=True)
 class ASDBatch:
-    """The ASD rows of one arm in one round, in compact form."""
+    """The ASD rows of one arm and one rule in one round, in compact form: greedy rows carry `TargetScores`
+    (verified by `policies.asd.verify_asd_scores`), sampled rows of a relaxed arm `SampledScores`
+    (`policies.asd_sampled.verify_asd_sampled_scores`)."""
 
     request_ids: tuple[str, ...]
     draft_ids: torch.Tensor  # [A, K] long, PAD beyond draft_lens
     draft_lens: torch.Tensor  # [A] long
-    scores: TargetScores  # [A, ...] compact target scores
+    scores: TargetScores | SampledScores  # [A, ...] compact target scores
     config: ASDConfig
     arm: str
 

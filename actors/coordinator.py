@@ -4,8 +4,10 @@ A round, for every active sequence at once (DESIGN.md, request path):
 1. γ per row from the plan the policy returned last round (`Scheduler.gammas`);
 2. the drafter proposes up to γ tokens per row (rows it has nothing for decode plainly);
 3. the target crops last round's rejected KV, feeds each row's pending token + drafts, and returns compact
-   scores (greedy, ASD) or samples exactly in place (sampling);
-4. verify: `verify_greedy_scores` here; ASD rows are verified and charged by the policy (`settle`);
+   scores (greedy, ASD), samples exactly in place (sampling), or draws `SampledScores` (sampled rows of an
+   ASD arm whose `sampled` rule is "relaxed");
+4. verify (`actors.verification`): exact greedy rows here; ASD rows are verified and charged by the policy
+   (`settle`), one call per arm and rule;
 5. commit: emitted tokens go to each request's queue; the next round's crop rolls the caches back;
 6. stats: the round's acceptance and timings go to the policy (in the same `settle` call) and the observer.
 
@@ -33,9 +35,8 @@ from actors.contracts import (NO_CROP, ASDBatch, DraftBatch, DraftRequest, Draft
 from actors.requests import EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
 from actors.scheduler import RowOutcome, Scheduler, SequenceState
 from actors.stats import LoopObserver, NullObserver, RoundRecord, RowRecord
+from actors.verification import asd_batches, asd_outcomes, exact_outcomes, relaxed_sampled
 from policies import PAD_TOKEN_ID
-from policies.exact import verify_greedy_scores
-from policies.scores import TargetScores
 
 log = logging.getLogger(__name__)
 
@@ -220,12 +221,13 @@ class Coordinator:
             tokens=[[s.tokens[-1]] + draft.draft_ids[b, : lens[b]].tolist() for b, s in enumerate(rows)],
             draft_ids=draft.draft_ids, draft_lens=draft.draft_lens,
             sampling=[s.request.params.spec() for s in rows], draft_probs=draft.draft_probs,
+            relaxed_sampled=relaxed_sampled(rows),
         )
         t_score = time.perf_counter()
         result = await self.target.step(batch)  # 3. score
         score_s = time.perf_counter() - t_score
         t_verify = time.perf_counter()
-        outcomes = self._verify_exact(rows, batch, result)  # 4. verify: exact rows here
+        outcomes = exact_outcomes(rows, batch, result)  # 4. verify: exact rows here
         report = RoundReport(
             rows=tuple((s.key(), lens[b], o.accepted) for b, (s, o) in enumerate(zip(rows, outcomes)) if o),
             batch_size=len(rows), draft_step_s=draft_s / max(1, max(lens)), score_s=result.forward_s or score_s,
@@ -278,46 +280,22 @@ class Coordinator:
         return True
 
     # --- verify ------------------------------------------------------------------------------------------
-    def _verify_exact(self, rows: list[SequenceState], batch: TargetBatch,
-                      result: TargetResult) -> list[RowOutcome | None]:
-        """Outcomes of the exact rows: greedy ones verified here (vectorised), sampled ones settled in the target.
-        ASD rows are None until the policy settles them."""
-        outcomes: list[RowOutcome | None] = [None] * len(rows)
-        greedy = [b for b, s in enumerate(rows) if not s.asd and b not in result.sampled_tokens]
-        if greedy:
-            idx = torch.tensor(greedy)
-            verdict = verify_greedy_scores(batch.draft_ids[idx], _take(result.scores, idx),
-                                           draft_lens=batch.draft_lens[idx])
-            for j, (b, tokens) in enumerate(zip(greedy, verdict.emitted())):
-                outcomes[b] = RowOutcome(tokens, int(verdict.num_accepted[j]))
-        for b, tokens in result.sampled_tokens.items():
-            outcomes[b] = RowOutcome(tokens, result.sampled_accepted[b])
-        return outcomes
-
     async def _settle_round(self, rows: list[SequenceState], batch: TargetBatch, result: TargetResult,
                             report: RoundReport, outcomes: list[RowOutcome | None]) -> None:
-        """The round's settle with the policy: one call per ASD arm present (its rows verified and charged
-        there), the first carrying the report and returning the next plan. With no ASD row nothing waits for
-        it: the settle runs while the unit goes on, and `Scheduler.refresh_plan` picks its plan up."""
+        """The round's settle with the policy: one call per ASD arm and rule present (its rows verified and
+        charged there), the first carrying the report and returning the next plan. With no ASD row nothing
+        waits for it: the settle runs while the unit goes on, and `Scheduler.refresh_plan` picks its plan up."""
         keys = [s.key() for s in rows]
-        by_arm: dict[str, list[int]] = {}
-        for b, seq in enumerate(rows):
-            if seq.asd:
-                by_arm.setdefault(seq.request.arm.name, []).append(b)
-        if not by_arm:
+        groups = asd_batches(rows, batch, result)
+        if not groups:
             self.scheduler.defer_plan(keys, asyncio.ensure_future(self.policy.settle(None, report, keys, len(rows))))
             return
-        for n, (arm, members) in enumerate(by_arm.items()):
-            idx = torch.tensor(members)
-            asd = ASDBatch(tuple(rows[b].rid for b in members), batch.draft_ids[idx], batch.draft_lens[idx],
-                           _take(result.scores, idx), rows[members[0]].request.arm.asd, arm)
+        for n, (members, asd) in enumerate(groups):
             verdict, plan = await self._settle(asd, report if n == 0 else None, keys, len(rows), rows)
             if n == 0:
                 self.scheduler.set_plan(keys, plan)
-            for j, b in enumerate(members):
-                k = int(verdict.num_accepted[j])
-                outcomes[b] = RowOutcome(verdict.tokens[j, : k + 1].tolist(), k, int(verdict.num_relaxed[j]),
-                                         float(verdict.regret[j]))
+            for b, outcome in zip(members, asd_outcomes(verdict)):
+                outcomes[b] = outcome
 
     async def _settle(self, asd: ASDBatch, report, keys: list[RowKey], batch_size: int,
                       rows: list[SequenceState]):
@@ -329,7 +307,9 @@ class Coordinator:
                 log.warning("unit %s: the policy lost the ledgers of %s; restoring them", self.unit,
                             list(lost.request_ids))
                 for seq in (s for s in rows if s.rid in lost.request_ids):
-                    await self._with_policy(lambda s=seq: self.policy.open_request(s.rid, s.budget, s.regret_spent))
+                    # the unit sums float32 charges; the ledger refuses a spend above its budget
+                    spent = min(seq.regret_spent, seq.budget)
+                    await self._with_policy(lambda s=seq, x=spent: self.policy.open_request(s.rid, s.budget, x))
 
     async def _with_policy(self, call: Callable[[], Awaitable]):
         """`call()`, retried while the policy actor restarts, for at most POLICY_TIMEOUT_S."""
@@ -386,7 +366,3 @@ class Coordinator:
             await self.target.rebuild()
         except Exception:
             log.exception("unit %s: target rebuild failed", self.unit)
-
-
-def _take(scores: TargetScores, idx: torch.Tensor) -> TargetScores:
-    return TargetScores(scores.argmax_ids[idx], scores.argmax_logits[idx], scores.draft_logits[idx])

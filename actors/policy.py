@@ -6,7 +6,9 @@ keyed by request id and dropped by `close_request`, which returns the ledger sum
 requests.
 
 One call per round: `settle` verifies the round's ASD rows against their ledgers, records every row's
-acceptance and the round's measured costs, and returns the γ plan for the next round.
+acceptance and the round's measured costs, and returns the γ plan for the next round. ASD rows come one arm
+and one rule per call: greedy rows (`verify_asd_scores`) or an arm's relaxed sampled rows
+(`verify_asd_sampled_scores`); a unit whose round holds several makes one call per group.
 
 Restart: a restarted policy actor has no ledgers. `settle` then raises `LedgersLost` before charging anything,
 and the unit reopens each of its ASD requests with the budget and the regret it has already spent (the unit
@@ -21,6 +23,7 @@ import logging
 from actors.contracts import ASDBatch, LedgersLost, RoundReport, RowKey
 from policies import Verdict
 from policies.asd import RegretLedger, verify_asd_scores
+from policies.asd_sampled import SampledScores, verify_asd_sampled_scores
 from policies.gamma import GammaPolicy, best_gamma
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,8 @@ class PolicyCore:
             if missing:
                 raise LedgersLost(missing)
             ledgers = [self.ledgers[r] for r in asd.request_ids]
-            verdict = verify_asd_scores(asd.draft_ids, asd.scores, ledgers, asd.config, draft_lens=asd.draft_lens)
+            verify = verify_asd_sampled_scores if isinstance(asd.scores, SampledScores) else verify_asd_scores
+            verdict = verify(asd.draft_ids, asd.scores, ledgers, asd.config, draft_lens=asd.draft_lens)
             for rid, k, n in zip(asd.request_ids, asd.draft_lens.tolist(), verdict.num_accepted.tolist()):
                 self.gamma.observe(rid, asd.arm, k, n)
         if report is not None:

@@ -35,20 +35,29 @@ class SamplingParams:
         return SamplingSpec(self.temperature, self.top_k, top_p, self.seed)
 
 
+SAMPLED_RULES = ("exact", "relaxed")
+
+
 @dataclass(frozen=True)
 class ArmSpec:
-    """A verification setting traffic is routed to. ASD applies to greedy requests; sampled requests on an
-    ASD arm are verified exactly (ASD is defined for greedy decoding only)."""
+    """A verification setting traffic is routed to. On an ASD arm, greedy requests are verified by ASD
+    (`policies.asd`); sampled ones (temperature > 0) by the arm's `sampled` rule: "exact" speculative sampling
+    (the default), or "relaxed", the approximate rule of `policies.asd_sampled` with the same `ASDConfig`."""
 
     name: str
     verification: str = "exact"  # "exact" | "asd"
     asd: ASDConfig | None = None
+    sampled: str = "exact"  # "exact" | "relaxed": how an ASD arm verifies sampled requests
 
     def __post_init__(self):
         if self.verification not in ("exact", "asd"):
             raise ValueError(f"verification must be 'exact' or 'asd', got {self.verification!r}")
         if self.verification == "asd" and self.asd is None:
             raise ValueError(f"arm {self.name!r}: verification 'asd' needs an asd config")
+        if self.sampled not in SAMPLED_RULES:
+            raise ValueError(f"sampled must be one of {SAMPLED_RULES}, got {self.sampled!r}")
+        if self.sampled == "relaxed" and self.verification != "asd":
+            raise ValueError(f"arm {self.name!r}: sampled 'relaxed' needs verification 'asd'")
 
 
 EXACT = ArmSpec("exact")

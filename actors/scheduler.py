@@ -57,9 +57,20 @@ class SequenceState:
         return self.request.request_id
 
     @property
+    def greedy(self) -> bool:
+        return self.request.params.temperature == 0.0
+
+    @property
     def asd(self) -> bool:
-        """Verified by ASD: an ASD arm and a greedy request (sampled requests are verified exactly)."""
-        return self.request.arm.verification == "asd" and self.request.params.temperature == 0.0
+        """Verified by ASD (the verification that runs, not only the arm's): an ASD arm's greedy request, or
+        its sampled request when the arm's `sampled` rule is "relaxed" (`policies.asd_sampled`)."""
+        arm = self.request.arm
+        return arm.verification == "asd" and (self.greedy or arm.sampled == "relaxed")
+
+    @property
+    def asd_fallback(self) -> str | None:
+        """Why an ASD arm verifies this request exactly: "sampled" (its `sampled` rule is "exact"); else None."""
+        return "sampled" if self.request.arm.verification == "asd" and not self.asd else None
 
     @property
     def budget(self) -> float | None:
@@ -113,7 +124,8 @@ class SequenceState:
             output_tokens=len(self.output), rounds=self.rounds, draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens, gammas=tuple(self.gammas), started_s=self.started_s,
             first_token_s=self.first_token_s, finished_s=finished_s, finish_reason=reason, degraded=self.degraded,
-            verification=req.arm.verification,
+            verification="asd" if self.asd else "exact", arm_verification=req.arm.verification,
+            asd_fallback=self.asd_fallback, sampled=not self.greedy,
             regret_spent=summary["spent"] if summary else None,
             regret_budget=summary["budget"] if summary else (req.arm.asd.budget if req.arm.asd else None),
             relaxed_tokens=self.relaxed if req.arm.verification == "asd" else None,

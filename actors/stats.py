@@ -43,7 +43,12 @@ class RowRecord:
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """A finished request, as reported in `usage.speculative`."""
+    """A finished request, as reported in `usage.speculative`.
+
+    `verification` is the verification that ran for the request; `arm_verification` its arm's own (the same
+    unless an ASD arm fell back to exact verification, and then `asd_fallback` says why: "sampled", a sampled
+    request on an arm whose `sampled` rule is "exact"). `sampled`: temperature > 0.
+    """
 
     request_id: str
     arm: str
@@ -59,12 +64,19 @@ class RequestRecord:
     finished_s: float
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     degraded: bool = False  # drafter was unavailable for part of the request
-    verification: str = "exact"  # "exact" | "asd"
+    verification: str = "exact"  # "exact" | "asd": what ran
     regret_spent: float | None = None
     regret_budget: float | None = None
     relaxed_tokens: int | None = None
     ledger_exhausted: bool = False
     accepted_per_position: tuple[int, ...] = field(default=())  # [k] = rounds that kept position k
+    arm_verification: str = ""  # "exact" | "asd": the arm's own; "" means the same as `verification`
+    asd_fallback: str | None = None  # "sampled": why an ASD arm verified this request exactly
+    sampled: bool = False  # temperature > 0
+
+    def __post_init__(self):
+        if not self.arm_verification:
+            object.__setattr__(self, "arm_verification", self.verification)
 
     def speculative_usage(self) -> dict:
         """The `usage.speculative` object of the HTTP API (keys are a public contract)."""
@@ -80,8 +92,11 @@ class RequestRecord:
             "gamma_mean": sum(gammas) / len(gammas),
             "gamma_max": max(gammas),
             "degraded": self.degraded,
+            "verification": self.verification,
         }
-        if self.verification == "asd":
+        if self.asd_fallback is not None:
+            out["asd_fallback"] = self.asd_fallback
+        if self.arm_verification == "asd":
             out["regret_spent"] = self.regret_spent or 0.0
             out["regret_budget"] = self.regret_budget
             out["relaxed_tokens"] = self.relaxed_tokens or 0

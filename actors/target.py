@@ -7,7 +7,10 @@ round's rejected drafts), feeds the pending token plus drafts (or the prompt), a
 - greedy and ASD rows: compact scores (argmax id, its logit, the draft token's logit per position), ~100 bytes
   a row instead of (K+1)·V floats; verification happens in the coordinator / policy actor.
 - sampled rows: exact speculative sampling in place (`verify_sampled`), with the row's own generator, so no
-  probability rows leave the process.
+  probability rows leave the process;
+- sampled rows an ASD arm verifies with the relaxed rule (`TargetBatch.relaxed_sampled`): the same draws from
+  the same generator, reduced to `SampledScores` (`policies.asd_sampled.sampled_scores`) for the policy, which
+  decides and charges their ledgers.
 
 `LocalTarget` is the in-process `TargetBackend`; `actors.remote.tp.TargetGroup` runs one `TargetStep` per
 tensor-parallel shard.
@@ -22,6 +25,7 @@ import torch
 
 from actors.contracts import NO_CROP, Engine, TargetBatch, TargetResult
 from actors.sampling import SamplingSpec, SeededGenerators
+from policies.asd_sampled import sampled_scores
 from policies.exact import process_logits, verify_sampled
 from policies.scores import compact_scores
 
@@ -59,19 +63,25 @@ class TargetStep:
         scores = compact_scores(batch.draft_ids, rows)
         tokens: dict[int, list[int]] = {}
         accepted: dict[int, int] = {}
+        relaxed = {}
         for b, spec in enumerate(batch.sampling):
             if spec.greedy:
                 continue
             p = process_logits(rows[b : b + 1], spec.temperature, spec.top_k, spec.top_p)  # [1, Kmax+1, V]
             q = None if batch.draft_probs is None else batch.draft_probs[b : b + 1]  # [1, Kmax, V]
+            generator = self._generator(batch.seq_ids[b], spec)
+            config = batch.relaxed_sampled.get(b)
+            if config is not None:
+                relaxed[b] = sampled_scores(batch.draft_ids[b : b + 1], q, p, config, generator,
+                                            batch.draft_lens[b : b + 1]).to("cpu")
+                continue
             verdict = verify_sampled(
-                batch.draft_ids[b : b + 1], q, p, generator=self._generator(batch.seq_ids[b], spec),
-                draft_lens=batch.draft_lens[b : b + 1],
+                batch.draft_ids[b : b + 1], q, p, generator=generator, draft_lens=batch.draft_lens[b : b + 1],
             )
             n = int(verdict.num_accepted[0])
             tokens[b] = verdict.tokens[0, : n + 1].tolist()
             accepted[b] = n
-        return TargetResult(scores, tokens, accepted, forward_s)
+        return TargetResult(scores, tokens, accepted, forward_s, relaxed)
 
     def _generator(self, seq_id: str, spec: SamplingSpec) -> list[torch.Generator] | None:
         # a list of one: the row draws exactly K_b + 1 uniforms, whatever the batch's widest block

@@ -95,6 +95,9 @@ def markdown(results: dict, plots: list[str]) -> str:
                           f"{_fmt(r['mean_accepted_length'])} ({_fmt(r['exact_mean_accepted_length'])})",
                           r["regret_spent_mean"], str(r["relaxed_tokens"]), r["exact_match_rate"], r["token_agreement"]]
                          for w, a in asd.items() for r in a["settings"]])
+    from cluster.bench.sampled import markdown as sampled_markdown
+
+    lines += sampled_markdown(sections.get("sampled", {}))
     hf = sections.get("hf", {})
     if hf:
         modes = list(dict.fromkeys(m for h in hf.values() for m in h["modes"]))

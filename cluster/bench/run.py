@@ -25,7 +25,7 @@ from cluster.bench.plan import PRESETS, ASDSetting, BenchPlan
 
 log = logging.getLogger("specserve.bench")
 
-SECTIONS = ("single", "batched", "asd", "hf", "http", "quality")
+SECTIONS = ("single", "batched", "asd", "sampled", "hf", "http", "quality")
 DEFAULT_CONFIG = "configs/local.yaml"
 TORCH_THREADS = 2
 STALL_TOLERANCE = 0.02  # a single-stream section with more stalled rounds than this is measured again,
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     store = SectionStore(out / "sections", {"plan": plan.model_dump(mode="json"), "config": dump_config(config)},
                          args.resume)
     started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
-    steps = len(plan.workloads) * (1 + ("asd" not in skip) + ("hf" not in skip)) + 2 + (
+    steps = len(plan.workloads) * (1 + ("asd" not in skip) + ("sampled" not in skip) + ("hf" not in skip)) + 2 + (
         0 if "batched" in skip else len(plan.batched_workloads)) + ("http" not in skip) + ("quality" not in skip)
     progress = Progress(steps)
 
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         progress.step(key)
         return data
 
-    results: dict = {"single": {}, "batched": {}, "asd": {}, "hf": {}}
+    results: dict = {"single": {}, "batched": {}, "asd": {}, "sampled": {}, "hf": {}}
     for w in plan.workloads:
         results["single"][w] = section(f"single/{w}", lambda: sections.single_stream(bench, prompts[w], plan))
     if "batched" not in skip:
@@ -210,6 +210,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             if settings:
                 results["asd"][w] = section(f"asd/{w}", lambda: sections.asd(
                     bench, prompts[w], settings, results["single"][w]["target_only_token_ids"]))
+    if "sampled" not in skip:
+        from cluster.bench.sampled import sampled_section
+
+        for w in plan.workloads:
+            arm = next(iter(_asd_settings(config, plan, w)[:1]), None)
+            results["sampled"][w] = section(f"sampled/{w}", lambda: sampled_section(bench, prompts[w], arm))
     if "hf" not in skip:
         from actors.sources import resolve
         from cluster.bench.hf_peer import HFPeer

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
@@ -104,22 +104,35 @@ class ASDSettings(_Strict):
     g: float = Field(2.0, ge=0, description="Gate: a mismatch at position i passes when r_i / v_i <= g (logits).")
     max_relaxed_per_block: int = Field(2, ge=0, description="M: most mismatches accepted in one block.")
     budget: float = Field(8.0, ge=0, description="B: cumulative regret allowed per request; 0 is exactly greedy.")
+    sampled: Literal["exact", "relaxed"] = Field(
+        "exact", description="How sampled requests (temperature > 0) on this arm are verified: 'exact' "
+        "speculative sampling, or 'relaxed', the approximate rule of docs/asd-sampled.md with the same g, M and B "
+        "(B then bounds how much likelier any output is than under the target: at most e^B times).",
+    )
 
 
 class ArmConfig(_Strict):
     """A named verification setting that traffic is split across (A/B arms)."""
 
     name: Name = Field(description="Arm name, used in the X-SpecServe-Arm header, metrics and usage.")
-    verification: Literal["exact", "asd"] = Field("exact", description="Exact verification or ASD (greedy only).")
+    verification: Literal["exact", "asd"] = Field(
+        "exact", description="Exact verification or ASD (greedy requests; sampled ones as asd.sampled says)."
+    )
     asd: ASDSettings | None = Field(None, description="ASD parameters; required iff verification is 'asd'.")
     weight: float = Field(1.0, gt=0, description="Relative share of traffic routed to this arm.")
+
+    @field_validator("asd")
+    @classmethod
+    def _asd_only_on_asd_arms(cls, asd: ASDSettings | None, info: ValidationInfo) -> ASDSettings | None:
+        # a field validator, so the error's path is arms[i].asd
+        if asd is not None and info.data.get("verification") == "exact":
+            raise ValueError("asd settings (asd.sampled included) are only allowed when verification is 'asd'")
+        return asd
 
     @model_validator(mode="after")
     def _asd_iff_asd(self) -> ArmConfig:
         if self.verification == "asd" and self.asd is None:
             raise ValueError("asd settings are required when verification is 'asd'")
-        if self.verification == "exact" and self.asd is not None:
-            raise ValueError("asd settings are only allowed when verification is 'asd'")
         return self
 
     def to_asd_config(self):
@@ -136,7 +149,8 @@ class ArmConfig(_Strict):
         """This arm as the coordinator's `actors.requests.ArmSpec`."""
         from actors.requests import ArmSpec
 
-        return ArmSpec(name=self.name, verification=self.verification, asd=self.to_asd_config())
+        return ArmSpec(name=self.name, verification=self.verification, asd=self.to_asd_config(),
+                       sampled=self.asd.sampled if self.asd else "exact")
 
 
 class GammaSettings(_Strict):
@@ -161,6 +175,22 @@ class GammaSettings(_Strict):
         return self
 
 
+class SamplingDefaults(_Strict):
+    """Sampling parameters a request gets when it leaves them out (as vLLM's generation-config defaults); a
+    field left None keeps the OpenAI API's default. A request that sends a field always keeps its own value."""
+
+    temperature: float | None = Field(
+        None, ge=0, description="Temperature of a request that sends none; None keeps OpenAI's 1.0. 0 makes "
+        "greedy decoding the default (e.g. a code-completion service).",
+    )
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="top_p of a request that sends none; None keeps OpenAI's 1.0."
+    )
+    top_k: int | None = Field(
+        None, ge=1, description="top_k of a request that sends none; None keeps it off (all tokens)."
+    )
+
+
 class ServingSettings(_Strict):
     """HTTP front end and request limits."""
 
@@ -173,6 +203,9 @@ class ServingSettings(_Strict):
     max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it.")
     request_timeout_s: float = Field(300.0, gt=0, description="Wall-clock limit of one request in seconds.")
+    defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults, description="Sampling parameters of requests that leave them out."
+    )
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> ServingSettings:

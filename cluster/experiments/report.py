@@ -10,7 +10,12 @@ are only counted):
 - acceptance rate = Σ accepted / Σ drafted and mean accepted length = Σ accepted / Σ rounds (ratios of sums,
   as `usage.speculative` defines them per request);
 - regret spent (total and mean per request), ledger exhaustions, degraded requests;
-- the quality audit (`cluster.experiments.audit.summarize`) of the arm's audited requests.
+- which verification ran (`cluster.experiments.verification_share`): the share of the arm's requests its own
+  verification ran on, fallbacks by reason, and the ledger spend of sampled requests verified by ASD;
+- the quality audit (`cluster.experiments.audit.summarize`) of the arm's audited (greedy) requests.
+
+Warnings come first (text) and in `warnings` (JSON): an arm that ran its reference arm's verification on most
+of its requests, e.g. an ASD arm whose requests were sampled and so verified exactly.
 
 Differences: for each arm other than the reference (`--reference`, else the export's first arm, which is
 the config's first), `arm − reference` of each compared statistic with a 95% percentile-bootstrap confidence
@@ -42,6 +47,7 @@ import httpx
 import numpy as np
 
 from cluster.experiments.audit import AuditRecord, summarize
+from cluster.experiments.verification_share import verification_figures, warnings
 
 EXPORT_PATH = "/v1/specserve/export"
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -153,6 +159,7 @@ def arm_figures(rows: Sequence[dict], audits: Sequence[AuditRecord]) -> dict[str
         "ledger_exhaustions": sum(bool(r.get("ledger_exhausted")) for r in rows),
         "degraded": sum(bool(r.get("degraded")) for r in rows),
         "audit": summarize(audits) if audits else None,
+        **verification_figures(rows),
     }
 
 
@@ -186,6 +193,7 @@ def build_report(export: dict, reference: str | None = None, resamples: int = DE
 
     {"schema": "specserve.report/v1", "service", "reference", "resamples", "seed",
      "dropped": export's dropped counts,
+     "warnings": [verification_share.warnings(...) entries: {"arm", "message", "share", ...}],
      "arms": {name: arm_figures(...)}  (config order),
      "differences": {name: {statistic: {"reference", "arm", "diff", "ci95": [lo, hi] | None, "relative"}}}}
     """
@@ -208,6 +216,7 @@ def build_report(export: dict, reference: str | None = None, resamples: int = DE
         "resamples": resamples,
         "seed": seed,
         "dropped": export.get("dropped", {}),
+        "warnings": warnings(by_arm, reference),
         "arms": {n: arm_figures(by_arm[n], [a for a in audits if a.arm == n]) for n in names},
         "differences": {
             n: compare_arms(by_arm[reference], by_arm[n], resamples, rng) for n in names if n != reference
@@ -232,19 +241,22 @@ def render_text(report: dict) -> str:
     """The human-readable report."""
     if not report["arms"]:
         return "specserve A/B report: the export holds no requests yet\n"
-    lines = [
+    lines = [f"WARNING: {w['message']}" for w in report.get("warnings", [])]
+    lines += [
+        *([""] if lines else []),
         f"specserve A/B report: service {report['service']}, reference arm {report['reference']}",
-        "tokens/s, TTFT and TPOT as mean/p50/p95 per request; TTFT and TPOT in ms",
+        "tokens/s, TTFT and TPOT as mean/p50/p95 per request; TTFT and TPOT in ms; own = share of requests "
+        "the arm's own verification ran on",
         "",
         f"{'arm':<16}{'requests':>9}{'tokens/s':>22}{'TTFT ms':>24}{'TPOT ms':>22}{'accept':>8}{'acc len':>8}"
-        f"{'regret/req':>11}{'exhausted':>10}{'degraded':>9}",
+        f"{'regret/req':>11}{'exhausted':>10}{'degraded':>9}{'own %':>7}",
     ]
     for name, a in report["arms"].items():
         lines.append(
             f"{name:<16}{a['requests']:>9}{_triple(a['tokens_per_s']):>22}{_triple(a['ttft_s'], 1e3):>24}"
             f"{_triple(a['tpot_s'], 1e3):>22}{_fmt(a['acceptance_rate'], digits=3):>8}"
             f"{_fmt(a['mean_accepted_length']):>8}{_fmt(a['regret_spent']['mean']):>11}"
-            f"{a['ledger_exhaustions']:>10}{a['degraded']:>9}"
+            f"{a['ledger_exhaustions']:>10}{a['degraded']:>9}{_fmt(a.get('own_verification_share'), 100, 0):>7}"
         )
     for name, diffs in report["differences"].items():
         lines += ["", f"{name} − {report['reference']} (95% bootstrap CI, {report['resamples']} resamples, "
@@ -255,6 +267,13 @@ def render_text(report: dict) -> str:
             rel = f"({_fmt(d['relative'], 100, 1, sign=True)}%)" if d["relative"] is not None else ""
             lines.append(f"  {stat:<24}{_fmt(d['diff'], digits=4, sign=True):>12}  {ci_text:<28}{rel}")
     for name, a in report["arms"].items():
+        sampled = a.get("sampled_asd")
+        if sampled:
+            lines += ["", f"sampled requests of {name} verified by ASD (asd.sampled: relaxed): {sampled['n']}, "
+                          f"ledger spend {_fmt(sampled['regret_spent_mean'])} nats mean, "
+                          f"{_fmt(sampled['regret_spent_max'])} max, of budget {_fmt(sampled['regret_budget'])} "
+                          "(an output is at most e^spend times as likely as under the target). The audit "
+                          "replays greedy requests only: their quality is measured by `specserve eval`."]
         audit = a["audit"]
         if not audit:
             continue

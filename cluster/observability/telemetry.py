@@ -97,7 +97,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("tpot", "vllm:request_time_per_output_token_seconds", "histogram",
                "Per request: (finish - first token) / (output tokens - 1).", "s", _TPOT),
     # specserve's own
-    MetricSpec("requests", "specserve_requests", "counter", "Finished requests by finish_reason and verification."),
+    MetricSpec("requests", "specserve_requests", "counter",
+               "Finished requests by finish_reason and the verification that ran."),
+    MetricSpec("fallbacks", "specserve_asd_fallbacks", "counter",
+               "Requests an ASD arm verified exactly, by reason (sampled: temperature > 0 and asd.sampled exact)."),
     MetricSpec("degraded", "specserve_degraded_requests", "counter", "Requests that ran without the drafter."),
     MetricSpec("gamma", "specserve_gamma", "histogram", "γ chosen per sequence per round (0 = plain).", "",
                _GAMMA),
@@ -121,6 +124,9 @@ METRICS: tuple[MetricSpec, ...] = (
 def request_row(record: RequestRecord) -> dict[str, Any]:
     """The export row of one finished request; the report's input (keys are a public contract).
 
+    verification = the verification that ran, arm_verification = the arm's own, asd_fallback = why an ASD arm
+    verified the request exactly (None when it did not), sampled = temperature > 0.
+
     latency_s = finished - started; ttft_s = first token - started (None without tokens);
     tpot_s = (finished - first token) / (output_tokens - 1) (None below 2 tokens);
     tokens_per_s = output_tokens / latency_s (None when latency is 0).
@@ -137,6 +143,9 @@ def request_row(record: RequestRecord) -> dict[str, Any]:
         "arm": record.arm,
         "unit": record.unit,
         "verification": record.verification,
+        "arm_verification": record.arm_verification,
+        "asd_fallback": record.asd_fallback,
+        "sampled": record.sampled,
         "finish_reason": record.finish_reason,
         "degraded": record.degraded,
         "prompt_tokens": record.prompt_tokens,
@@ -278,6 +287,8 @@ class TelemetryHub:
             self._m["degraded"].add(1, labels)
         if r.ledger_exhausted:
             self._m["exhaustions"].add(1, labels)
+        if r.asd_fallback is not None:
+            self._m["fallbacks"].add(1, {**labels, "reason": r.asd_fallback})
 
     def _on_audit(self, a: AuditRecord) -> None:
         self._note_arm(a.arm)

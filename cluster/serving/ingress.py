@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP front end (a Serve ingress deployment with FastAPI).
 
-Per request: validate the body (`cluster.serving.protocol`), tokenize the prompt (a completion's text, or the chat
+Per request: validate the body (`cluster.serving.protocol`; sampling fields it leaves out take the operator's
+`serving.defaults`, else OpenAI's), tokenize the prompt (a completion's text, or the chat
 template applied to the messages), check it against the context limit, pick the arm (`cluster.experiments.ab`: forced by
 the `x-specserve-arm` header, sticky by `user`, random by weight), and stream a `DecodeJob` to a decoder unit
 through a Serve handle. Answers are OpenAI bodies, or SSE `data:` chunks ending with `data: [DONE]`.
@@ -187,10 +188,7 @@ class OpenAIIngress:
         except UnknownArmError as err:
             raise APIError(str(err), param=ARM_HEADER, code="unknown_arm") from None
         try:
-            params = SamplingParams(
-                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                top_k=body.top_k_or_none, seed=body.seed,
-            )
+            params = SamplingParams(max_tokens=max_tokens, seed=body.seed, **body.sampling(serving.defaults))
         except ValueError as err:
             raise APIError(str(err), code="invalid_value") from None
         request_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"

@@ -144,6 +144,19 @@ class _SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def sampling(self, defaults: Any = None) -> dict[str, Any]:
+        """`temperature`, `top_p` and `top_k` (None = off) of the request: each as the request sent it, else the
+        operator's default (`serving.defaults`, a `cluster.config.SamplingDefaults`; None there keeps the
+        OpenAI default), else the OpenAI default (temperature 1, top_p 1, no top_k)."""
+        sent = self.model_fields_set
+
+        def pick(name: str, own: Any) -> Any:
+            default = getattr(defaults, name, None)
+            return own if name in sent or default is None else default
+
+        return {"temperature": pick("temperature", self.temperature), "top_p": pick("top_p", self.top_p),
+                "top_k": pick("top_k", self.top_k_or_none)}
+
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt` is text, a one-element list of text, or a list of token ids."""

@@ -91,8 +91,9 @@ def test_json_output_shape(export, tmp_path, capsys):
     path.write_text(json.dumps(export))
     assert main(["--file", str(path), "--json", "--seed", "7", "--resamples", "200"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"schema", "service", "reference", "resamples", "seed", "dropped", "arms",
+    assert set(report) == {"schema", "service", "reference", "resamples", "seed", "dropped", "warnings", "arms",
                            "differences"}
+    assert report["warnings"] == []  # the asd arm ran ASD on all its requests
     assert report["seed"] == 7 and report["resamples"] == 200
     arm = report["arms"]["asd"]
     for key in ("requests", "tokens_per_s", "ttft_s", "tpot_s", "acceptance_rate", "mean_accepted_length",

@@ -103,7 +103,9 @@ def test_every_metric_carries_arm_and_unit():
     hub = TelemetryHub(TelemetrySettings())
     rounds, request = rounds_and_request()
     audit = compare("r1", "asd", "exact", [1, 2, 3], [1, 2, 4], regret_spent=0.5, unit="u0")
-    hub.record([*rounds, request, audit])
+    fallback = RequestRecord("r9", "asd", "u0", 7, 3, 1, 2, 1, (2,), T0 - 0.05, T0 - 0.01, T0, "stop",
+                             verification="exact", arm_verification="asd", asd_fallback="sampled", sampled=True)
+    hub.record([*rounds, request, audit, fallback])
     families = list(text_string_to_metric_families(hub.prometheus_text()))
     exposed = {f.name for f in families}
     for spec in METRICS:

@@ -1,0 +1,194 @@
+"""Sampled requests on ASD arms, in-process: what runs (exact fallback or the relaxed rule), what the record
+says, parity with exact sampling at budget 0, the ledger bound, seeded reproducibility and a policy restart."""
+
+import pytest
+import torch
+
+from actors.coordinator import ArmSpec, Coordinator, GenerationRequest, SamplingParams
+from actors.drafting import ModelDrafter, NgramDrafter
+from actors.engines.native import load_model
+from actors.engines.native.engine import Engine
+from actors.policy import LocalPolicy, PolicyCore
+from actors.stats import RequestRecord
+from policies.asd import ASDConfig
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [100, 200, 300, 100, 200],
+    [9, 9, 9, 9, 9, 9],
+    [1000, 2000, 3000, 4000, 1000, 2000, 3000],
+    [42, 43, 44, 45, 46, 47, 42, 43],
+]
+EXACT_ARM = ArmSpec("exact")
+FALLBACK_ARM = ArmSpec("asd", "asd", ASDConfig(g=2.0, max_relaxed_per_block=2, budget=8.0))
+
+
+def relaxed(budget: float, g: float = 2.0, m: int = 2, name: str = "relaxed") -> ArmSpec:
+    return ArmSpec(name, "asd", ASDConfig(g=g, max_relaxed_per_block=m, budget=budget), sampled="relaxed")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_pair):
+    torch.set_num_threads(1)
+    target, drafter = tiny_llama_pair
+    return load_model(target)[0], load_model(drafter)[0]
+
+
+def unit(model, drafter=None, fixed=None):
+    return Coordinator.local(Engine(model, max_slots=16, max_seq_len=256), drafter,
+                             PolicyCore(gamma_max=6, fixed_gamma=fixed), max_batch_size=16)
+
+
+def model_drafter(tiny):
+    return ModelDrafter(Engine(tiny[1], max_slots=16, max_seq_len=256))
+
+
+def sampled(rid, prompt, arm, seed, n=16, temperature=1.0, top_k=None):
+    params = SamplingParams(max_tokens=n, temperature=temperature, top_k=top_k, seed=seed)
+    return GenerationRequest(rid, prompt, params, arm)
+
+
+def test_fallback_and_relaxed_records_say_what_ran(tiny):
+    """One batch: greedy and sampled rows on the exact arm, an ASD arm whose sampled rule is exact, and a
+    relaxed arm. Each record names the verification that ran; only the fallback carries a reason."""
+    coord = Coordinator.local(Engine(tiny[0], max_slots=16, max_seq_len=256), NgramDrafter(1, 3),
+                              PolicyCore(gamma_max=4))
+    greedy = SamplingParams(max_tokens=8)
+    hot = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
+    cases = [("exact-g", greedy, EXACT_ARM), ("exact-s", hot, EXACT_ARM), ("asd-g", greedy, FALLBACK_ARM),
+             ("asd-s", hot, FALLBACK_ARM), ("rel-g", greedy, relaxed(8.0)), ("rel-s", hot, relaxed(8.0))]
+    outs = coord.generate_many_sync([GenerationRequest(rid, PROMPTS[i % 5], p, arm)
+                                     for i, (rid, p, arm) in enumerate(cases)])
+    usage = {rid: o.record.speculative_usage() for (rid, _, _), o in zip(cases, outs)}
+    assert {rid: u["verification"] for rid, u in usage.items()} == {
+        "exact-g": "exact", "exact-s": "exact", "asd-g": "asd", "asd-s": "exact", "rel-g": "asd", "rel-s": "asd"}
+    assert {rid for rid, u in usage.items() if "asd_fallback" in u} == {"asd-s"}
+    assert usage["asd-s"]["asd_fallback"] == "sampled"
+    # the regret keys stay on every request of an ASD arm; a fallback spends nothing
+    assert usage["asd-s"]["regret_spent"] == 0.0 and usage["asd-s"]["regret_budget"] == 8.0
+    assert usage["rel-s"]["regret_budget"] == 8.0 and "regret_spent" not in usage["exact-s"]
+    records = {rid: o.record for (rid, _, _), o in zip(cases, outs)}
+    assert records["asd-s"].arm_verification == "asd" and records["asd-s"].sampled
+    assert coord.policy.core.open_ledgers() == [] and coord.target.engine.active_ids() == []
+
+
+def test_record_defaults_keep_old_callers():
+    record = RequestRecord("r", "asd", "u", 1, 1, 1, 1, 1, (1,), 0.0, 0.1, 1.0, "stop", verification="asd")
+    assert record.arm_verification == "asd" and record.asd_fallback is None
+    assert record.speculative_usage()["verification"] == "asd" and "asd_fallback" not in record.speculative_usage()
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "model"])
+@pytest.mark.parametrize("setting", [dict(budget=0.0, g=4.0), dict(budget=8.0, g=0.0), dict(budget=8.0, m=0)])
+def test_relaxed_without_allowance_is_exact_sampling_draw_for_draw(tiny, drafter_kind, setting):
+    """B = 0, g = 0 or M = 0 fund no position: the relaxed arm emits exactly the tokens of exact speculative
+    sampling for the same seeds (the target draws the same uniforms from the same per-request generators).
+    With prompt lookup, top_k = 4 makes the sampled text repeat itself, so lookup finds drafts."""
+    def run(arm):
+        drafter = NgramDrafter(1, 3) if drafter_kind == "ngram" else model_drafter(tiny)
+        coord = unit(tiny[0], drafter, fixed=3)
+        top_k = 4 if drafter_kind == "ngram" else None
+        return coord.generate_many_sync([sampled(f"p{i}", p, arm, seed=i, temperature=0.8, top_k=top_k)
+                                         for i, p in enumerate(PROMPTS)])
+
+    exact = run(EXACT_ARM)
+    loose = run(relaxed(**setting))
+    assert [o.token_ids for o in loose] == [o.token_ids for o in exact]
+    assert all(o.record.verification == "asd" and o.record.regret_spent == 0.0 for o in loose)
+    assert sum(o.record.draft_tokens for o in exact) > 0  # speculation ran
+
+
+def test_relaxed_spends_within_the_budget_and_accepts_more(tiny):
+    """A model drafter (q ≠ p) on a random tiny target: the relaxed rule keeps more drafts than exact
+    sampling, writes its spend to the ledger, and never spends more than B."""
+    budget = 0.5
+    drafter = model_drafter(tiny)
+    reqs = lambda arm: [sampled(f"b{i}-{j}", p, arm, seed=100 * j + i, n=24)  # noqa: E731
+                        for j in range(4) for i, p in enumerate(PROMPTS)]
+    exact = unit(tiny[0], drafter, fixed=4).generate_many_sync(reqs(EXACT_ARM))
+    loose = unit(tiny[0], drafter, fixed=4).generate_many_sync(reqs(relaxed(budget, g=2.0, m=4)))
+    spent = [o.record.regret_spent for o in loose]
+    assert all(0.0 <= s <= budget + 1e-9 for s in spent), spent
+    assert sum(o.record.relaxed_tokens for o in loose) > 0 and max(spent) > 0
+    rate = lambda outs: sum(o.record.accepted_tokens for o in outs) / sum(o.record.draft_tokens for o in outs)  # noqa: E731
+    assert rate(loose) > rate(exact)
+
+
+def test_seeded_relaxed_request_reproduces_alone_and_in_a_batch(tiny):
+    """top_k = 4 makes the sampled text repeat, so prompt lookup drafts and the relaxed rule spends."""
+    arm = relaxed(8.0, g=2.0, m=3)
+
+    def request(rid, prompt, arm, seed):
+        return sampled(rid, prompt, arm, seed=seed, n=24, temperature=0.8, top_k=4)
+
+    alone = unit(tiny[0], NgramDrafter(1, 3)).generate_sync(request("s", PROMPTS[0], arm, 11))
+    others = [request(f"o{i}", p, arm if i % 2 else EXACT_ARM, i) for i, p in enumerate(PROMPTS[1:])]
+    batched = unit(tiny[0], NgramDrafter(1, 3)).generate_many_sync([request("s", PROMPTS[0], arm, 11)] + others)
+    assert batched[0].token_ids == alone.token_ids
+    assert batched[0].record.regret_spent == pytest.approx(alone.record.regret_spent)
+    assert alone.record.draft_tokens > 0 and alone.record.regret_spent > 0  # the relaxed rule decided
+
+
+class ForgetfulPolicy(LocalPolicy):
+    """A policy that loses every ledger before its 3rd and 6th settles, as a restarted policy actor does."""
+
+    def __init__(self, core):
+        super().__init__(core)
+        self.settles = 0
+
+    async def settle(self, asd, report, plan_for, batch_size):
+        self.settles += 1
+        if self.settles in (3, 6):
+            self.core.ledgers.clear()
+        return await super().settle(asd, report, plan_for, batch_size)
+
+
+def test_policy_restart_restores_relaxed_ledgers(tiny):
+    """Ledgers lost mid-request are reopened with the budget and the spend so far; the requests continue with
+    exactly the budget they had left, so seeded output and spend equal a run without the restart."""
+    arm = relaxed(1.5, g=2.0, m=4)
+
+    def run(policy_cls):
+        coord = Coordinator.local(Engine(tiny[0], max_slots=16, max_seq_len=256), model_drafter(tiny),
+                                  PolicyCore(gamma_max=6, fixed_gamma=4))
+        coord.policy = policy_cls(coord.policy.core)
+        outs = coord.generate_many_sync([sampled(f"r{i}", p, arm, seed=i, n=24) for i, p in enumerate(PROMPTS)])
+        return outs, coord.policy
+
+    plain, _ = run(LocalPolicy)
+    restarted, policy = run(ForgetfulPolicy)
+    assert policy.settles > 6
+    assert [o.token_ids for o in restarted] == [o.token_ids for o in plain]
+    for a, b in zip(restarted, plain):
+        assert a.record.regret_spent == pytest.approx(b.record.regret_spent, abs=1e-5)
+        assert a.record.regret_spent <= 1.5 + 1e-9
+    assert policy.core.open_ledgers() == []
+
+
+class RecordingPolicy(LocalPolicy):
+    """Records (arm, kind of scores, rows) of every settle call that verifies ASD rows."""
+
+    def __init__(self, core):
+        super().__init__(core)
+        self.calls = []
+
+    async def settle(self, asd, report, plan_for, batch_size):
+        if asd is not None:
+            self.calls.append((asd.arm, type(asd.scores).__name__, len(asd.request_ids), report is not None))
+        return await super().settle(asd, report, plan_for, batch_size)
+
+
+def test_one_settle_per_arm_and_rule(tiny):
+    """Greedy and sampled rows of one relaxed arm settle in two calls a round (TargetScores, SampledScores);
+    the round's report rides on the first call only."""
+    coord = Coordinator.local(Engine(tiny[0], max_slots=16, max_seq_len=256), model_drafter(tiny),
+                              PolicyCore(gamma_max=4, fixed_gamma=3))
+    coord.policy = RecordingPolicy(coord.policy.core)
+    arm = relaxed(2.0)
+    reqs = [GenerationRequest("g0", PROMPTS[0], SamplingParams(max_tokens=6), arm),
+            GenerationRequest("g1", PROMPTS[1], SamplingParams(max_tokens=6), arm),
+            sampled("s0", PROMPTS[2], arm, seed=1, n=6), sampled("s1", PROMPTS[3], arm, seed=2, n=6)]
+    coord.generate_many_sync(reqs)
+    calls = coord.policy.calls
+    assert ("relaxed", "TargetScores", 2, True) in calls and ("relaxed", "SampledScores", 2, False) in calls
+    assert all(call[0] == "relaxed" and call[2] == 2 for call in calls)
