@@ -56,6 +56,10 @@ class ModelSpec(_Strict):
         None, ge=16, description="Longest prompt + completion per sequence; None uses the model's maximum."
     )
     max_batch_size: int = Field(8, ge=1, le=1024, description="KV cache slots: sequences decoded together per unit.")
+    prefill_chunk_tokens: int | None = Field(
+        None, ge=1, description="Prompt tokens fed per unit step between decode rounds (chunked prefill), so a long "
+        "prompt does not stall the streams decoding beside it; None prefills each prompt whole.",
+    )
     resources: ActorResources = Field(
         default_factory=ActorResources, description="Ray resources of each target shard actor."
     )

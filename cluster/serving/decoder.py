@@ -91,6 +91,7 @@ def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
         target=TargetSetup(
             source=target.source, dtype=target.dtype, device=target.device, tp_size=target.tensor_parallel_size,
             max_slots=target.max_batch_size, max_seq_len=target.max_seq_len,
+            prefill_chunk_tokens=target.prefill_chunk_tokens,
             resources=target.resources.model_dump(), placement_strategy=target.placement_strategy,
         ),
         drafter=DrafterSetup(
