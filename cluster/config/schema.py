@@ -177,6 +177,23 @@ class ServingSettings(_Strict):
     max_tokens_limit: int = Field(2048, ge=1, description="Largest max_tokens a request may ask for.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it.")
     request_timeout_s: float = Field(300.0, gt=0, description="Wall-clock limit of one request in seconds.")
+    api_keys: list[str] = Field(
+        default_factory=list, repr=False, description="API keys accepted as `Authorization: Bearer KEY`, besides "
+        "those in the file the SPECSERVE_API_KEYS_FILE environment variable names (which keeps keys out of the "
+        "YAML); with none, the API is open.",
+    )
+    protect_metrics: bool = Field(False, description="With API keys, /metrics needs a key too.")
+    protect_export: bool = Field(
+        True, description="With API keys, /v1/specserve/export (a row per request) needs a key."
+    )
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body in bytes; larger gets 413.")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_are_tokens(cls, keys: list[str]) -> list[str]:
+        if any(not key or any(c.isspace() for c in key) for key in keys):  # never echo a key in the error
+            raise ValueError("every API key must be non-empty and hold no whitespace")
+        return keys
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> ServingSettings:
