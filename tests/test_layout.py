@@ -23,7 +23,8 @@ PACKAGES = ("policies", "actors", "cluster")
 MAX_LINES = 400
 # Needed at run time without being imported by our code: transformers' GGUF loader (the embedded SmolLM2)
 # imports gguf and refuses to load without accelerate ("accelerate is required when loading a GGUF file").
-INDIRECT = {"gguf": "transformers' GGUF loading", "accelerate": "transformers' GGUF loading"}
+INDIRECT = {"gguf": "transformers' GGUF loading", "accelerate": "transformers' GGUF loading",
+            "pytest-timeout": "pytest's --timeout option (addopts)"}
 
 
 def _modules() -> dict[str, Path]:
