@@ -123,7 +123,8 @@ class RequestGuard:
         if scope["type"] != "http" or policy is None:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        path = scope.get("path", "")
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path  # the route's own path (a prefix)
         if policy.needs_key(path) and not policy.accepts(headers.get(b"authorization")):
             logger.warning("%s %s: refused, %s API key", scope.get("method"), path,
                            "wrong" if b"authorization" in headers else "no")
