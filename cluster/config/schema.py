@@ -182,6 +182,11 @@ class ServingSettings(_Strict):
         "those in the file the SPECSERVE_API_KEYS_FILE environment variable names (which keeps keys out of the "
         "YAML); with none, the API is open.",
     )
+    api_keys_secret: str | None = Field(
+        None, min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="Kubernetes only: the Secret whose `api-keys` entry holds the keys; rendered pods mount it "
+        "and point SPECSERVE_API_KEYS_FILE at it.",
+    )
     protect_metrics: bool = Field(False, description="With API keys, /metrics needs a key too.")
     protect_export: bool = Field(
         True, description="With API keys, /v1/specserve/export (a row per request) needs a key."

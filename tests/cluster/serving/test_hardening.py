@@ -130,3 +130,24 @@ def test_request_timeout_ends_requests_cleanly_and_frees_them(servers):
     assert lifted.status_code == 408
     stats = wait_idle(GUARDED)
     assert stats["active_requests"] == stats["target_sequences"] == stats["open_ledgers"] == [], stats
+
+
+def test_every_metric_the_dashboard_queries_is_exported(servers):
+    """k8s/monitoring/grafana-dashboard.json against /metrics after one request per arm."""
+    import re
+
+    url, _ = servers
+    for arm in ("exact", "asd"):
+        response = httpx.post(f"{url}/v1/completions", headers={"x-specserve-arm": arm}, timeout=60,
+                              json={"model": "tiny", "prompt": "a b a b a b a b", "max_tokens": 12, "temperature": 0})
+        assert response.status_code == 200
+    dashboard = json.loads((Path(__file__).parents[3] / "k8s" / "monitoring" / "grafana-dashboard.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"(?:vllm:|specserve_)[A-Za-z0-9_:]*", target["expr"])}
+    assert len(queried) >= 10
+    deadline, missing = time.time() + 30, queried
+    while missing and time.time() < deadline:  # units ship records to the hub in batches
+        text = httpx.get(f"{url}/metrics").text
+        missing = {name for name in queried if not re.search(rf"^{re.escape(name)}[{{ ]", text, re.M)}
+        time.sleep(0.5)
+    assert not missing, sorted(missing)
