@@ -166,11 +166,12 @@ def fault_config(config, *, drafter_source: str, concurrency: int, timeout_s: fl
 # --------------------------------------------------------------------------------- specserve bench --section
 
 PRESETS = {  # requests and concurrency of the fault load, fuzz cases per route and mode, stall repeats
-    "full": {"requests": 200, "concurrency": 16, "lengths": (16, 48, 96), "fuzz_examples": 300, "stall_repeats": 2},
+    "full": {"requests": 200, "concurrency": 16, "lengths": (16, 48, 96), "fuzz_examples": 200, "stall_repeats": 2},
     "quick": {"requests": 40, "concurrency": 8, "lengths": (8, 24, 48), "fuzz_examples": 50, "stall_repeats": 1},
 }
-FAULT_TIMEOUT_S = 120.0  # request_timeout_s of the fault load
-STALL_CHUNKS = (None, 64, 128)  # prefill_chunk_tokens compared (plus the config's own)
+FAULT_TIMEOUT_S = 300.0  # request_timeout_s of the fault load (a shared 2-core machine is slow)
+FUZZ_MAX_TOKENS = 16  # the fuzzed app's max_tokens limit: what is tested is the input, not long generations
+STALL_CHUNKS = (None, 16, 32, 64, 128)  # prefill_chunk_tokens compared (plus the config's own)
 
 
 def main_section(args, argv: list[str]) -> int:
@@ -213,6 +214,8 @@ def _served_sections(args, preset: dict, log) -> dict:
     results = {}
     with ServedApp(port=args.port) as served:
         fuzz_config = bench_config(config, name="specserve-rel-fuzz", fixed_gamma=None, port=args.port)
+        fuzz_config = fuzz_config.model_copy(update={"serving": fuzz_config.serving.model_copy(  # short outputs:
+            update={"max_tokens_limit": FUZZ_MAX_TOKENS, "default_max_tokens": FUZZ_MAX_TOKENS})})  # input is tested
         served.deploy(fuzz_config)
         log.info("fuzzing every route (%d cases per route and mode)", preset["fuzz_examples"])
         report = fuzz(served.url, examples=preset["fuzz_examples"])
