@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "serving"))
 from served_app import served_app  # noqa: E402
-from test_http import tiny_config  # noqa: E402
+from tests.cluster.serving.test_http import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from served_app import served_app
-from test_http import tiny_config
+from tests.cluster.serving.test_http import tiny_config
 
 pytestmark = pytest.mark.slow
 
