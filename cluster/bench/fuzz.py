@@ -92,7 +92,7 @@ def fuzz(url: str, *, examples: int, headers: dict[str, str] | None = None, time
                                            excluded_checks=[positive_data_acceptance],
                                            transport_kwargs={"base_url": url, "headers": headers,
                                                              "timeout": timeout_s})
-                except (Exception, FailureGroup) as err:  # a failed check or no answer: keep one sample per distinct message
+                except (Exception, FailureGroup) as err:  # a failed check, or no answer: one sample per message
                     message = f"{type(err).__name__}: {err}"
                     if message[:300] not in seen:
                         seen.add(message[:300])

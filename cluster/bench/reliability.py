@@ -261,7 +261,8 @@ def report_markdown(results: dict) -> str:
              f"errored {ft['error_codes']}, {ft['lost']} lost, {ft['hung']} hung; latency p50/p95/p99 "
              + "/".join(f"{ft['latency_s'][f'p{q}'] or 0:.2f}" for q in (50, 95, 99)) + " s", "",
              "| fault | pid | service answers again after |", "|---|---|---|"]
-    lines += [f"| {f['fault']} | {f['pid']} | {f['recovery_s'] if f['recovery_s'] is None else round(f['recovery_s'], 1)} s |"
+    lines += [f"| {f['fault']} | {f['pid']} | "
+              + ("never (past the limit)" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s") + " |"
               for f in ft["faults"]]
     lines += ["", f"exact-arm outputs checked {ft['exact_checked']}, mismatched {len(ft['exact_mismatched'])}; "
               f"ledgers checked {ft['ledgers_checked']}, over budget {len(ft['over_budget'])}; leaks {ft['leaks']}",

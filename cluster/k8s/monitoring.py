@@ -39,7 +39,8 @@ def render_podmonitor(cfg: SpecServeConfig) -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "specserve", "app.kubernetes.io/instance": name}},
+        "metadata": {"name": name,
+                     "labels": {"app.kubernetes.io/name": "specserve", "app.kubernetes.io/instance": name}},
         "spec": {
             # KubeRay labels the head pod ray.io/node-type=head; the instance label comes from the pod template
             "selector": {"matchLabels": {"app.kubernetes.io/instance": name, "ray.io/node-type": "head"}},

@@ -123,10 +123,11 @@ class OpenAIIngress:
         serving = self.config.serving
         self.timeout_s = deadline_s(serving.request_timeout_s)
         app.state.guard = GuardPolicy.from_settings(serving)
-        app.openapi_schema = None
+        app.openapi_schema = None  # FastAPI's document, completed with what this config knows
         app.openapi_schema = openapi.specserve_openapi(
             app.openapi(), served_name=self.config.target.served_name, arms=[a.name for a in self.config.arms],
-            max_tokens_limit=serving.max_tokens_limit, auth=app.state.guard.auth, protect_metrics=serving.protect_metrics, protect_export=serving.protect_export)
+            max_tokens_limit=serving.max_tokens_limit, auth=app.state.guard.auth,
+            protect_metrics=serving.protect_metrics, protect_export=serving.protect_export)
 
     # --- routes ------------------------------------------------------------------------------------------
     @app.get("/healthz", response_model=openapi.Health)
@@ -254,6 +255,7 @@ class OpenAIIngress:
             events.cancel()
             raise deadline.error() from None
         except UNIT_LOST as err:
+            await self._forget(job)
             raise unit_lost(err) from None
         except BackPressureError as err:
             retry = err.retry_after_s or DEFAULT_RETRY_AFTER_S
