@@ -95,7 +95,7 @@ def measure(coordinator, *, streams: int, long_tokens: int, vocab_size: int, war
 
 
 def compare(coordinator, chunks: list[int | None], *, streams: int = 8, long_tokens: int = 1500,
-            vocab_size: int, repeats: int = 2) -> list[dict]:
+            vocab_size: int, repeats: int = 2, stream_tokens: int = 400) -> list[dict]:
     """Each chunk setting measured `repeats` times, interleaved (forward order, then reversed)."""
     runs: dict[int | None, list[StallRun]] = {c: [] for c in chunks}
     order = []
@@ -104,7 +104,7 @@ def compare(coordinator, chunks: list[int | None], *, streams: int = 8, long_tok
     for n, chunk in enumerate(order):
         coordinator.scheduler.prefill_chunk_tokens = chunk
         runs[chunk].append(measure(coordinator, streams=streams, long_tokens=long_tokens, vocab_size=vocab_size,
-                                   seed=n))
+                                   stream_tokens=stream_tokens, seed=n))
     out = []
     for chunk, results in runs.items():
         best = sorted(results, key=lambda r: r.ratio)[len(results) // 2]  # the median run by ratio

@@ -146,9 +146,9 @@ def run_faults(app: str, url: str, model: str, prompts: list[tuple[int, ...]], *
 def fault_config(config, *, drafter_source: str, concurrency: int, timeout_s: float) -> dict:
     """The dumped config the fault load runs against: a model drafter in its own actor (one of the faults),
     drafting every round (γ fixed at 2), one unit, room for `concurrency` requests, no audit."""
-    from cluster.config import dump_config, parse_config
+    from cluster.config import SpecServeConfig, dump_config, parse_config
 
-    out = dump_config(parse_config(config))  # every field present
+    out = dump_config(config if isinstance(config, SpecServeConfig) else parse_config(config))  # every field
     drafter = out["drafter"]
     if drafter["kind"] != "model":
         drafter.update(kind="model", source=drafter_source, device=out["target"]["device"],
@@ -171,6 +171,7 @@ PRESETS = {  # requests and concurrency of the fault load, fuzz cases per route 
 }
 FAULT_TIMEOUT_S = 300.0  # request_timeout_s of the fault load (a shared 2-core machine is slow)
 FUZZ_MAX_TOKENS = 16  # the fuzzed app's max_tokens limit: what is tested is the input, not long generations
+LONG_PROMPT_TOKENS = 1500
 STALL_CHUNKS = (None, 16, 32, 64, 128)  # prefill_chunk_tokens compared (plus the config's own)
 
 
@@ -191,8 +192,11 @@ def main_section(args, argv: list[str]) -> int:
     results = {"meta": {"command": "specserve bench " + " ".join(shlex.quote(a) for a in argv), "started": started,
                         "config": args.config, "preset": {k: list(v) if isinstance(v, tuple) else v
                                                            for k, v in preset.items()}}}
-    results.update(_served_sections(args, preset, log))
-    results["prefill_stall"] = _stall_section(args, preset, log)
+    parts = out / "parts"  # each part is kept as soon as it is measured; --resume reuses them
+    parts.mkdir(exist_ok=True)
+    results.update(_served_sections(args, preset, log, parts))
+    results["prefill_stall"] = _part(parts / "prefill_stall.json", args.resume,
+                                     lambda: _stall_section(args, preset, log))
     results["meta"]["elapsed_s"] = time.monotonic() - t0
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "report.md").write_text(report_markdown(results))
@@ -200,7 +204,16 @@ def main_section(args, argv: list[str]) -> int:
     return 0
 
 
-def _served_sections(args, preset: dict, log) -> dict:
+def _part(path, resume: bool, measure):
+    """A part of the section: read back from `path` when resuming, else measured and written there."""
+    if resume and path.is_file():
+        return json.loads(path.read_text())
+    data = measure()
+    path.write_text(json.dumps(data, indent=1, default=str))
+    return data
+
+
+def _served_sections(args, preset: dict, log, parts) -> dict:
     from actors.sources import load_tokenizer
     from cluster.bench.fuzz import fuzz
     from cluster.bench.http_bench import ServedApp, bench_config
@@ -211,25 +224,30 @@ def _served_sections(args, preset: dict, log) -> dict:
     tokenizer = load_tokenizer(config.target.source)
     prompts = [p.ids for w in ("chat", "code", "summarization") for p in load_workload(w, tokenizer, 2, seed=0)]
     exact = next(a.name for a in config.arms if a.verification == "exact")
-    results = {}
     with ServedApp(port=args.port) as served:
-        fuzz_config = bench_config(config, name="specserve-rel-fuzz", fixed_gamma=None, port=args.port)
-        fuzz_config = fuzz_config.model_copy(update={"serving": fuzz_config.serving.model_copy(  # short outputs:
-            update={"max_tokens_limit": FUZZ_MAX_TOKENS, "default_max_tokens": FUZZ_MAX_TOKENS})})  # input is tested
-        served.deploy(fuzz_config)
-        log.info("fuzzing every route (%d cases per route and mode)", preset["fuzz_examples"])
-        report = fuzz(served.url, examples=preset["fuzz_examples"])
-        results["fuzz"] = {**report.summary(), "leaks": wait_idle(fuzz_config.name)}
-        faulty = parse_config(fault_config(config.model_copy(update={"name": "specserve-rel-faults"}),
-                                           drafter_source=config.target.source, concurrency=preset["concurrency"],
-                                           timeout_s=FAULT_TIMEOUT_S))
-        served.deploy(faulty)
-        log.info("%d requests at concurrency %d with faults %s", preset["requests"], preset["concurrency"], FAULTS)
-        results["faults"] = run_faults(
-            faulty.name, served.url, faulty.target.served_name, prompts, requests=preset["requests"],
-            concurrency=preset["concurrency"], lengths=preset["lengths"], arms=tuple(a.name for a in config.arms),
-            exact_arm=exact, timeout_s=FAULT_TIMEOUT_S)
-    return results
+
+        def fuzzed():
+            fuzz_config = bench_config(config, name="specserve-rel-fuzz", fixed_gamma=None, port=args.port)
+            fuzz_config = fuzz_config.model_copy(update={"serving": fuzz_config.serving.model_copy(  # the input is
+                update={"max_tokens_limit": FUZZ_MAX_TOKENS, "default_max_tokens": FUZZ_MAX_TOKENS})})  # tested
+            served.deploy(fuzz_config)
+            log.info("fuzzing every route (%d cases per route and mode)", preset["fuzz_examples"])
+            report = fuzz(served.url, examples=preset["fuzz_examples"])
+            return {**report.summary(), "leaks": wait_idle(fuzz_config.name)}
+
+        def faulted():
+            faulty = parse_config(fault_config(config.model_copy(update={"name": "specserve-rel-faults"}),
+                                               drafter_source=config.target.source,
+                                               concurrency=preset["concurrency"], timeout_s=FAULT_TIMEOUT_S))
+            served.deploy(faulty)
+            log.info("%d requests at concurrency %d, faults %s", preset["requests"], preset["concurrency"], FAULTS)
+            return run_faults(faulty.name, served.url, faulty.target.served_name, prompts,
+                              requests=preset["requests"], concurrency=preset["concurrency"],
+                              lengths=preset["lengths"], arms=tuple(a.name for a in config.arms), exact_arm=exact,
+                              timeout_s=FAULT_TIMEOUT_S)
+
+        return {"fuzz": _part(parts / "fuzz.json", args.resume, fuzzed),
+                "faults": _part(parts / "faults.json", args.resume, faulted)}
 
 
 def _stall_section(args, preset: dict, log) -> list[dict]:
@@ -247,7 +265,10 @@ def _stall_section(args, preset: dict, log) -> list[dict]:
                                                        max_slots=max(16, target.max_batch_size),
                                                        max_seq_len=target.max_seq_len),
                       on_ray=False, policy=LocalPolicy(PolicyCore()), torch_threads=config.unit.torch_threads)
-    return compare(unit, chunks, vocab_size=model_info(target.source)["vocab_size"], repeats=preset["stall_repeats"])
+    info = model_info(target.source)
+    room = min(target.max_seq_len or info["max_position_embeddings"], info["max_position_embeddings"])
+    return compare(unit, chunks, vocab_size=info["vocab_size"], repeats=preset["stall_repeats"],
+                   long_tokens=min(LONG_PROMPT_TOKENS, room - 8), stream_tokens=min(400, room - 32))
 
 
 def report_markdown(results: dict) -> str:
