@@ -29,9 +29,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
 
-from actors.contracts import (NO_CROP, ASDBatch, DraftBatch, DraftRequest, DrafterBackend, Engine, LedgersLost,
-                              PolicyBackend, PolicyUnavailable, RoundReport, RowKey, TargetBackend, TargetBatch,
-                              TargetResult)
+from actors.contracts import (ASDBatch, DraftBatch, DraftRequest, DrafterBackend, Engine, LedgersLost, PolicyBackend,
+                              PolicyUnavailable, RoundReport, RowKey, TargetBackend, TargetBatch, TargetResult)
+from actors.prefill import prefill_batch
 from actors.requests import EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
 from actors.scheduler import RowOutcome, Scheduler, SequenceState
 from actors.stats import LoopObserver, NullObserver, RoundRecord, RowRecord
@@ -53,7 +53,7 @@ class Coordinator:
     def __init__(self, *, target: TargetBackend, drafter: DrafterBackend | None, policy: PolicyBackend,
                  eos_token_ids: Sequence[int] = (), max_seq_len: int = 2048, max_batch_size: int = 64,
                  unit: str = "local", observer: LoopObserver | None = None, clock=time.time,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, prefill_chunk_tokens: int | None = None):
         self.target, self.drafter, self.policy = target, drafter, policy
         self.eos = frozenset(eos_token_ids)
         self.max_seq_len = max_seq_len
@@ -61,7 +61,7 @@ class Coordinator:
         self.observer = observer or NullObserver()
         self.clock = clock
         self.scheduler = Scheduler(max_batch_size=max_batch_size, max_seq_len=max_seq_len, vocab_size=vocab_size,
-                                   clock=clock)
+                                   clock=clock, prefill_chunk_tokens=prefill_chunk_tokens)
         self._drafter_recovery: asyncio.Future | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -186,24 +186,21 @@ class Coordinator:
             await self._finish(seq, "abort")
 
     async def _admit(self) -> None:
-        """Prefill newly admitted sequences; each emits its first token."""
-        new = self.scheduler.admit()
+        """Admit, and feed one step of prompt chunks (`actors.prefill`); a cached prompt emits its first token."""
+        for seq in self.scheduler.admit():
+            await self._with_policy(lambda s=seq: self.policy.open_request(s.rid, s.budget))
+        chunks = self.scheduler.prefill_chunks()
+        if not chunks:
+            return
+        result = await self.target.step(prefill_batch(chunks))
+        new = self.scheduler.prefilled(chunks)
         if not new:
             return
-        for seq in new:
-            await self._with_policy(lambda s=seq: self.policy.open_request(s.rid, s.budget))
-        batch = TargetBatch(
-            seq_ids=[s.rid for s in new], crops=[NO_CROP] * len(new), tokens=[s.tokens[:] for s in new],
-            draft_ids=torch.full((len(new), 1), PAD_TOKEN_ID, dtype=torch.long),
-            draft_lens=torch.zeros(len(new), dtype=torch.long),
-            sampling=[s.request.params.spec() for s in new], prefill=True,
-        )
-        result = await self.target.step(batch)
         keys = [s.key() for s in new]
         _, plan = await self._with_policy(lambda: self.policy.settle(None, None, keys, len(self.scheduler.active)))
         self.scheduler.set_plan(keys, plan)
         now = self.clock()
-        for b, seq in enumerate(new):
+        for b, seq in ((b, c.seq) for b, c in enumerate(chunks) if c.last):
             token = result.sampled_tokens[b][0] if b in result.sampled_tokens else int(result.scores.argmax_ids[b, 0])
             seq.first_token_s = now
             await self._commit(seq, RowOutcome([token], accepted=0), drafted=0, is_round=False)
@@ -360,7 +357,7 @@ class Coordinator:
     async def _fail_all(self, exc: Exception) -> None:
         message = f"unit {self.unit} failed: {type(exc).__name__}: {exc}"
         self.scheduler.drop_pending_plan()
-        for seq in list(self.scheduler.active):
+        for seq in self.scheduler.running():
             await self._finish(seq, "error", error=message)
         try:
             await self.target.rebuild()

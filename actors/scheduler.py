@@ -1,10 +1,11 @@
 """Scheduling for one unit: which sequences run, and with how many drafts.
 
-The `Scheduler` owns the waiting queue (requests not yet prefilled), the active batch (every sequence that
-takes part in the next round, at most `max_batch_size`), the aborts asked for since the last round, and the γ
-plan: the policy's γ per request, which arrives with each round's settle and is applied from the next round.
-A plan computed while the unit went on (exact-only rounds don't wait for the policy) is kept as a pending
-task and picked up at the start of the next round.
+The `Scheduler` owns the waiting queue (requests not yet admitted), the sequences prefilling (admitted: a
+KV slot each, their prompt entering the cache a chunk per step, `actors.prefill`), the active batch (every
+sequence that takes part in the next round; prefilling + active ≤ `max_batch_size`), the aborts asked for
+since the last round, and the γ plan: the policy's γ per request, which arrives with each round's settle
+and is applied from the next round. A plan computed while the unit went on (exact-only rounds don't wait for
+the policy) is kept as a pending task and picked up at the start of the next round.
 
 `SequenceState` is one request's state in the unit: `tokens` = prompt + emitted output; the target's KV holds
 `tokens[:-1]`, and the last emitted token is *pending*: it is fed first next round.
@@ -17,6 +18,7 @@ import logging
 from dataclasses import dataclass, field
 
 from actors.contracts import NO_CROP, RowKey
+from actors.prefill import PrefillChunk, plan_chunks
 from actors.requests import GenerationRequest
 from actors.stats import RequestRecord
 
@@ -50,6 +52,7 @@ class SequenceState:
     relaxed: int = 0
     regret_spent: float = 0.0  # every ASD charge the policy reported; restores its ledger after a restart
     degraded: bool = False
+    prefilled: int = 0  # prompt tokens in the target's KV cache (chunked prefill)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -137,12 +140,17 @@ class SequenceState:
 class Scheduler:
     """Waiting queue, active batch, aborts and the γ plan of one unit."""
 
-    def __init__(self, *, max_batch_size: int, max_seq_len: int, vocab_size: int | None, clock):
+    def __init__(self, *, max_batch_size: int, max_seq_len: int, vocab_size: int | None, clock,
+                 prefill_chunk_tokens: int | None = None):
+        if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens: must be >= 1 or None, got {prefill_chunk_tokens}")
         self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.clock = clock
         self.waiting: list[SequenceState] = []
+        self.prefilling: list[SequenceState] = []
         self.active: list[SequenceState] = []
         self.aborts: set[str] = set()
         self.plan: dict[str, int] = {}
@@ -165,37 +173,57 @@ class Scheduler:
         return seq
 
     def find(self, request_id: str) -> SequenceState | None:
-        return next((s for s in self.waiting + self.active if s.rid == request_id), None)
+        return next((s for s in self.waiting + self.running() if s.rid == request_id), None)
 
     def request_ids(self) -> list[str]:
-        return [s.rid for s in self.waiting + self.active]
+        return [s.rid for s in self.waiting + self.running()]
+
+    def running(self) -> list[SequenceState]:
+        """Sequences holding a KV slot: prefilling, then active."""
+        return self.prefilling + self.active
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.active or self.aborts)
+        return bool(self.waiting or self.prefilling or self.active or self.aborts)
 
     def take_aborted(self) -> tuple[list[SequenceState], list[SequenceState]]:
-        """(waiting, active) sequences whose abort was asked for; the waiting ones leave the queue here."""
+        """(waiting, running) sequences whose abort was asked for; the waiting ones leave the queue here."""
         waiting = [s for s in self.waiting if s.rid in self.aborts]
-        active = [s for s in self.active if s.rid in self.aborts]
+        active = [s for s in self.running() if s.rid in self.aborts]
         self.waiting = [s for s in self.waiting if s.rid not in self.aborts]
         self.aborts.clear()
         return waiting, active
 
     def admit(self) -> list[SequenceState]:
-        """Move as many waiting sequences into the active batch as it has room for."""
-        room = self.max_batch_size - len(self.active)
+        """Start prefilling as many waiting sequences as there are free KV slots."""
+        room = self.max_batch_size - len(self.running())
         new, self.waiting = self.waiting[: max(0, room)], self.waiting[max(0, room):]
-        self.active.extend(new)
+        self.prefilling.extend(new)
         return new
 
+    def prefill_chunks(self) -> list[PrefillChunk]:
+        """This step's prompt chunks, within `prefill_chunk_tokens` (`actors.prefill.plan_chunks`)."""
+        return plan_chunks(self.prefilling, self.prefill_chunk_tokens)
+
+    def prefilled(self, chunks: list[PrefillChunk]) -> list[SequenceState]:
+        """Record fed chunks; sequences whose prompt is now cached join the active batch (returned)."""
+        for chunk in chunks:
+            chunk.seq.prefilled = chunk.end
+        done = [c.seq for c in chunks if c.last]
+        ids = {s.rid for s in done}
+        self.prefilling = [s for s in self.prefilling if s.rid not in ids]
+        self.active.extend(done)
+        return done
+
     def remove(self, seq: SequenceState) -> None:
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
         if seq in self.active:
             self.active.remove(seq)
         self.plan.pop(seq.rid, None)
 
     # --- the γ plan --------------------------------------------------------------------------------------
     def set_plan(self, keys: list[RowKey], plan: list[int]) -> None:
-        live = {s.rid for s in self.active}
+        live = {s.rid for s in self.running()}
         self.plan.update((k.request_id, g) for k, g in zip(keys, plan) if k.request_id in live)
 
     def defer_plan(self, keys: list[RowKey], pending: asyncio.Task) -> None:

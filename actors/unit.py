@@ -31,6 +31,7 @@ class TargetSetup:
     tp_size: int = 1
     max_slots: int = 8  # sequences decoded together (KV cache slots)
     max_seq_len: int | None = None  # None: the model's max_position_embeddings
+    prefill_chunk_tokens: int | None = None  # prompt tokens per unit step (actors.prefill); None: whole prompts
     resources: dict = field(default_factory=dict)  # Ray resources of each shard: num_cpus, num_gpus, memory_gb
     placement_strategy: str = "STRICT_PACK"
 
@@ -71,4 +72,5 @@ def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = Drafte
         target=target_backend, drafter=drafter_backend, policy=policy or LocalPolicy(PolicyCore()),
         eos_token_ids=info["eos_token_ids"] if eos_token_ids is None else eos_token_ids, max_seq_len=max_seq_len,
         max_batch_size=target.max_slots, unit=unit, observer=observer, vocab_size=info["vocab_size"],
+        prefill_chunk_tokens=target.prefill_chunk_tokens,
     )

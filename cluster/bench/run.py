@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8765, help="HTTP port of the benchmark app (127.0.0.1)")
     parser.add_argument("--quality-suite", default=None, help="override: the quality section's eval suite")
     parser.add_argument("--quality-problems", type=int, default=None, help="override: its first N problems")
+    parser.add_argument("--section", choices=("all", "reliability"), default="all",
+                        help="reliability: fuzzing, faults under load, long-prefill stall (cluster.bench.reliability)")
     return parser.parse_args(argv)
 
 
@@ -271,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
+    if args.section == "reliability":
+        from cluster.bench.reliability import main_section
+
+        return main_section(args, argv)
     try:
         results = run(args, argv)
     except ValueError as err:

@@ -56,6 +56,10 @@ class ModelSpec(_Strict):
         None, ge=16, description="Longest prompt + completion per sequence; None uses the model's maximum."
     )
     max_batch_size: int = Field(8, ge=1, le=1024, description="KV cache slots: sequences decoded together per unit.")
+    prefill_chunk_tokens: int | None = Field(
+        None, ge=1, description="Prompt tokens fed per unit step between decode rounds (chunked prefill), so a long "
+        "prompt does not stall the streams decoding beside it; None prefills each prompt whole.",
+    )
     resources: ActorResources = Field(
         default_factory=ActorResources, description="Ray resources of each target shard actor."
     )
@@ -180,7 +184,7 @@ class SamplingDefaults(_Strict):
     field left None keeps the OpenAI API's default. A request that sends a field always keeps its own value."""
 
     temperature: float | None = Field(
-        None, ge=0, description="Temperature of a request that sends none; None keeps OpenAI's 1.0. 0 makes "
+        None, ge=0, le=2, description="Temperature of a request that sends none; None keeps OpenAI's 1.0. 0 makes "
         "greedy decoding the default (e.g. a code-completion service).",
     )
     top_p: float | None = Field(
@@ -206,6 +210,28 @@ class ServingSettings(_Strict):
     defaults: SamplingDefaults = Field(
         default_factory=SamplingDefaults, description="Sampling parameters of requests that leave them out."
     )
+    api_keys: list[str] = Field(
+        default_factory=list, repr=False, description="API keys accepted as `Authorization: Bearer KEY`, besides "
+        "those in the file the SPECSERVE_API_KEYS_FILE environment variable names (which keeps keys out of the "
+        "YAML); with none, the API is open.",
+    )
+    api_keys_secret: str | None = Field(
+        None, min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="Kubernetes only: the Secret whose `api-keys` entry holds the keys; rendered pods mount it "
+        "and point SPECSERVE_API_KEYS_FILE at it.",
+    )
+    protect_metrics: bool = Field(False, description="With API keys, /metrics needs a key too.")
+    protect_export: bool = Field(
+        True, description="With API keys, /v1/specserve/export (a row per request) needs a key."
+    )
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body in bytes; larger gets 413.")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_are_tokens(cls, keys: list[str]) -> list[str]:
+        if any(not key or any(c.isspace() for c in key) for key in keys):  # never echo a key in the error
+            raise ValueError("every API key must be non-empty and hold no whitespace")
+        return keys
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> ServingSettings:

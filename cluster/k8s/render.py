@@ -8,8 +8,11 @@ deploys `cluster.serving.app:build_app` with the whole config inline, so k8s/ ca
   `nvidia.com/gpu` limit is the TP size) plus the unit's coordinator and a CPU drafter; a GPU drafter gets a
   `drafter` group of its own. A CPU config yields one CPU `unit` group (kind or minikube);
 - each group's replicas span the Serve autoscaling range (one pod per unit, plus one for a rolling restart's
-  surge replica), and KubeRay's in-tree autoscaler adds pods when Serve asks for a unit that cannot be placed.
-`cluster.k8s.crd` validates the result against KubeRay's CRD.
+  surge replica), and KubeRay's in-tree autoscaler adds pods when Serve asks for a unit that cannot be placed;
+- with `serving.api_keys_secret`, every pod mounts that Secret read-only and `SPECSERVE_API_KEYS_FILE` names
+  its `api-keys` file, so the ingress (wherever Serve places it) reads the keys and they stay out of the
+  manifest; keys written in the config itself (`serving.api_keys`) are refused here for the same reason.
+`cluster.k8s.crd` validates the result against KubeRay's CRD; `cluster.k8s.monitoring` renders the PodMonitor.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ MAX_SURGE_PERCENT = 1
 SURGE_PODS = 1
 MODELS_DIR = "/models"  # absolute model sources must live here: the models volume is mounted at it
 MODELS_CLAIM = "specserve-models"
+KEYS_DIR, KEYS_ENTRY = "/etc/specserve/keys", "api-keys"  # the Secret's mount and the entry holding the keys
 DEFAULT_ACTOR_MEMORY_GB = 4.0  # host memory assumed for an actor whose resources.memory_gb is unset
 POD_OVERHEAD_GB = 2.0  # raylet, object store and Python beside the actors
 
@@ -48,6 +52,11 @@ def is_gpu(cfg: SpecServeConfig) -> bool:
     return cfg.target.device == "cuda" or cfg.drafter.device == "cuda"
 
 
+def service_name(cfg: SpecServeConfig) -> str:
+    """The RayService's name (and its pods' `app.kubernetes.io/instance` label)."""
+    return _dns_name(cfg.name if cfg.name.lower().startswith("specserve") else f"specserve-{cfg.name}")
+
+
 def manifest_filename(cfg: SpecServeConfig, config_path: str | Path) -> str:
     """`rayservice-{cpu|gpu}-{config stem}.yaml`, without repeating a leading `cpu-`/`gpu-` in the stem."""
     kind = "gpu" if is_gpu(cfg) else "cpu"
@@ -58,7 +67,10 @@ def manifest_filename(cfg: SpecServeConfig, config_path: str | Path) -> str:
 def render_rayservice(cfg: SpecServeConfig, config_path_in_image: str | None, image: str) -> dict[str, Any]:
     """The RayService for `cfg` as a dict; `config_path_in_image` names the source config (an annotation)."""
     _check_model_paths(cfg)
-    name = _dns_name(cfg.name if cfg.name.lower().startswith("specserve") else f"specserve-{cfg.name}")
+    if cfg.serving.api_keys:
+        raise ValueError("serving.api_keys would be written into the manifest in clear: put the keys in a Secret "
+                         "and name it in serving.api_keys_secret")
+    name = service_name(cfg)
     labels = {"app.kubernetes.io/name": "specserve", "app.kubernetes.io/instance": name}
     annotations = {"specserve/version": SPECSERVE_VERSION}
     if config_path_in_image:
@@ -164,14 +176,14 @@ def _head_group(cfg: SpecServeConfig, image: str, labels: dict[str, str]) -> dic
         # CPUs only: the ingress (tokenizer, routing) may run here, units never need to.
         "resources": _resources(cpu="2", memory="4Gi", request_cpu="1" if is_gpu(cfg) else "500m",
                                 request_memory=None if is_gpu(cfg) else "2Gi"),
-        **_model_mounts(cfg),
+        **_mounts(cfg),
     }
     return {
         # num-gpus 0: nothing that needs a GPU is ever scheduled on the head.
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "1", "num-gpus": "0"},
         "template": {
             "metadata": {"labels": labels},
-            "spec": {"containers": [container], **_model_volumes(cfg)},
+            "spec": {"containers": [container], **_volumes(cfg)},
         },
     }
 
@@ -209,9 +221,9 @@ def _worker_group(group: str, cfg: SpecServeConfig, image: str, labels: dict[str
         # GPU pods are Guaranteed (requests = limits); CPU pods request one core so kind/minikube can fit them.
         "resources": _resources(cpu=cpu, memory=f"{math.ceil(memory_gb + POD_OVERHEAD_GB)}Gi", gpus=gpus,
                                 request_cpu=None if gpus else "1"),
-        **_model_mounts(cfg, shm=gpus > 0),
+        **_mounts(cfg, shm=gpus > 0),
     }
-    spec: dict[str, Any] = {"containers": [container], **_model_volumes(cfg, shm=gpus > 0)}
+    spec: dict[str, Any] = {"containers": [container], **_volumes(cfg, shm=gpus > 0)}
     if gpus:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     params = {"num-cpus": cpu}
@@ -257,19 +269,29 @@ def _check_model_paths(cfg: SpecServeConfig) -> None:
                              f"(the {MODELS_CLAIM} volume is mounted there)")
 
 
-def _model_mounts(cfg: SpecServeConfig, shm: bool = False) -> dict[str, Any]:
+def _mounts(cfg: SpecServeConfig, shm: bool = False) -> dict[str, Any]:
+    """A container's environment and mounts: the models, /dev/shm on GPU pods, the API keys' Secret."""
+    out: dict[str, Any] = {}
     mounts = [{"name": "models", "mountPath": MODELS_DIR, "readOnly": True}] if _model_sources(cfg) else []
     if shm:  # NCCL and the object store need more than the container's default 64 MiB /dev/shm
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    return {"volumeMounts": mounts} if mounts else {}
+    if cfg.serving.api_keys_secret:
+        from cluster.serving.guard import API_KEYS_FILE_ENV
+
+        out["env"] = [{"name": API_KEYS_FILE_ENV, "value": f"{KEYS_DIR}/{KEYS_ENTRY}"}]
+        mounts.append({"name": "api-keys", "mountPath": KEYS_DIR, "readOnly": True})
+    return {**out, "volumeMounts": mounts} if mounts else out
 
 
-def _model_volumes(cfg: SpecServeConfig, shm: bool = False) -> dict[str, Any]:
+def _volumes(cfg: SpecServeConfig, shm: bool = False) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = []
     if _model_sources(cfg):
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": MODELS_CLAIM, "readOnly": True}})
     if shm:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    if cfg.serving.api_keys_secret:  # not optional: without the Secret the pods wait rather than serve unguarded
+        volumes.append({"name": "api-keys", "secret": {"secretName": cfg.serving.api_keys_secret,
+                                                       "items": [{"key": KEYS_ENTRY, "path": KEYS_ENTRY}]}})
     return {"volumes": volumes} if volumes else {}
 
 

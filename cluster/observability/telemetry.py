@@ -262,10 +262,8 @@ class TelemetryHub:
                 self._m["accepted_tokens"].add(row.accepted, row_labels)
                 for position in range(row.accepted):
                     self._m["accepted_per_pos"].add(1, {**row_labels, "position": str(position)})
-            if row.relaxed:
-                self._m["relaxed"].add(row.relaxed, row_labels)
-            if row.regret:
-                self._m["regret"].add(row.regret, row_labels)
+            self._m["relaxed"].add(row.relaxed, row_labels)  # zeros too: every arm has the series (0 on exact)
+            self._m["regret"].add(row.regret, row_labels)
 
     def _on_request(self, r: RequestRecord) -> None:
         self._note_arm(r.arm)
@@ -283,10 +281,10 @@ class TelemetryHub:
             self._m["ttft"].record(row["ttft_s"], labels)
         if row["tpot_s"] is not None:
             self._m["tpot"].record(row["tpot_s"], labels)
-        if r.degraded:
-            self._m["degraded"].add(1, labels)
-        if r.ledger_exhausted:
-            self._m["exhaustions"].add(1, labels)
+        # counted as 0 too, so dashboards and alerts see the series (and rate() works) before the first event
+        self._m["degraded"].add(int(r.degraded), labels)
+        if r.verification == "asd":
+            self._m["exhaustions"].add(int(r.ledger_exhausted), labels)
         if r.asd_fallback is not None:
             self._m["fallbacks"].add(1, {**labels, "reason": r.asd_fallback})
 

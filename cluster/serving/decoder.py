@@ -91,6 +91,7 @@ def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
         target=TargetSetup(
             source=target.source, dtype=target.dtype, device=target.device, tp_size=target.tensor_parallel_size,
             max_slots=target.max_batch_size, max_seq_len=target.max_seq_len,
+            prefill_chunk_tokens=target.prefill_chunk_tokens,
             resources=target.resources.model_dump(), placement_strategy=target.placement_strategy,
         ),
         drafter=DrafterSetup(
@@ -207,12 +208,14 @@ class DecoderUnit:
 
     async def stats(self) -> dict[str, Any]:
         """Debug state for leak checks: the unit's active requests, the sequences holding KV cache in its
-        target, and the app's open ledgers (every unit's)."""
+        target and its drafter actor (if it has one), and the app's open ledgers (every unit's)."""
         open_ledgers = await self.policy.open_ledgers()
+        drafter = getattr(self.coordinator.drafter, "handle", None)  # a model drafter's actor
         return {
             "unit": self.unit,
             "active_requests": self.coordinator.active_requests(),
             "target_sequences": list(await self.coordinator.target.active_ids()),
+            "drafter_sequences": list(await drafter.active_ids.remote()) if drafter is not None else [],
             "open_ledgers": list(open_ledgers),
         }
 

@@ -7,8 +7,11 @@ the `x-specserve-arm` header, sticky by `user`, random by weight), and stream a 
 through a Serve handle. Answers are OpenAI bodies, or SSE `data:` chunks ending with `data: [DONE]`.
 
 Errors: every client mistake is a 4xx with `{"error": {"message", "type", "param", "code"}}`; a full unit
-queue (Serve's BackPressureError) is a 503 with Retry-After. A client that disconnects cancels the handle's
-stream, which aborts the sequence in its unit (KV caches freed, ledger closed).
+queue (Serve's BackPressureError) is a 503 with Retry-After, and so is a unit that failed or died under the
+request (`cluster.serving.failures`); past `serving.request_timeout_s` the answer is a 408. A client that
+disconnects cancels the handle's stream, which aborts the sequence in its unit (KV caches freed, ledger
+closed). API keys and the body limit are checked before any route runs (`cluster.serving.guard`); every
+route's answers are declared in the OpenAPI document (`cluster.serving.openapi`).
 
 Quality audit: when a greedy ASD request finishes and `AuditSampler` draws it, the same prompt is decoded again
 on the exact reference arm in the background (at most `audit.max_pending` at once) and the comparison goes to
@@ -16,6 +19,7 @@ the telemetry hub.
 """
 
 
+import asyncio
 import json
 import logging
 import time
@@ -25,7 +29,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,7 +38,10 @@ from actors.requests import SamplingParams
 from cluster.experiments.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError
 from cluster.experiments.audit import AuditRunner, AuditSampler
 from cluster.config import parse_config
-from cluster.serving.decoder import DecodeJob, Finished, TextDelta, UnitStarted
+from cluster.serving import openapi
+from cluster.serving.decoder import DecodeJob, Finished, TextDelta, UnitStarted, policy_actor_name, policy_kwargs
+from cluster.serving.failures import UNIT_LOST, Deadline, deadline_s, unit_failed, unit_lost
+from cluster.serving.guard import GuardPolicy, RequestGuard
 from cluster.serving.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -54,6 +61,7 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_RETRY_AFTER_S = 1
 
 app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding on Ray Serve.")
+app.add_middleware(RequestGuard)  # enforces app.state.guard, set from the config by OpenAIIngress.__init__
 
 
 @app.exception_handler(APIError)
@@ -111,32 +119,41 @@ class OpenAIIngress:
             self.config.audit.reference_arm, self._send_audit, max_pending=self.config.audit.max_pending
         )
         self._hub = None
+        self._policy = None
         self.created = int(time.time())
+        serving = self.config.serving
+        self.timeout_s = deadline_s(serving.request_timeout_s)
+        app.state.guard = GuardPolicy.from_settings(serving)
+        app.openapi_schema = None  # FastAPI's document, completed with what this config knows
+        app.openapi_schema = openapi.specserve_openapi(
+            app.openapi(), served_name=self.config.target.served_name, arms=[a.name for a in self.config.arms],
+            max_tokens_limit=serving.max_tokens_limit, auth=app.state.guard.auth,
+            protect_metrics=serving.protect_metrics, protect_export=serving.protect_export)
 
     # --- routes ------------------------------------------------------------------------------------------
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=openapi.Health)
     async def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=openapi.ModelList, responses=openapi.MODELS)
     async def models(self) -> dict[str, Any]:
         return models_body(self.config.target.served_name, created=self.created)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
     async def metrics(self) -> Response:
         text = await self.hub().prometheus_text.remote()
         return Response(text, media_type=PROMETHEUS_CONTENT_TYPE)
 
-    @app.get("/v1/specserve/export")
+    @app.get("/v1/specserve/export", response_model=openapi.Export, responses=openapi.EXPORT)
     async def export(self) -> JSONResponse:
         return JSONResponse(await self.hub().export.remote())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=openapi.Completion, responses=openapi.GENERATE)
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         return await self._serve(body, self._completion_prompt(body), request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=openapi.ChatCompletion, responses=openapi.GENERATE)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         return await self._serve(body, self._chat_prompt(body), request, chat=True)
@@ -188,7 +205,7 @@ class OpenAIIngress:
         except UnknownArmError as err:
             raise APIError(str(err), param=ARM_HEADER, code="unknown_arm") from None
         try:
-            params = SamplingParams(max_tokens=max_tokens, seed=body.seed, **body.sampling(serving.defaults))
+            params = SamplingParams(max_tokens=max_tokens, seed=body.seed, **body.sampling(serving.defaults, self.vocab_size))
         except ValueError as err:
             raise APIError(str(err), code="invalid_value") from None
         request_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
@@ -196,26 +213,29 @@ class OpenAIIngress:
         return job, arm
 
     async def _serve(self, body, prompt_ids: list[int], request: Request, *, chat: bool) -> Response:
+        deadline = Deadline(self.timeout_s)
         job, arm = self._job(body, prompt_ids, request)
-        events = await self._start(job)
+        events = await self._start(job, deadline)
         headers = {ARM_RESPONSE_HEADER: arm.name}
         if body.stream:
-            stream = self._stream(job, events, body, chat=chat)
+            stream = self._stream(job, events, body, deadline, chat=chat)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         text, finished = [], None
         try:
-            async for event in events:
+            async for event in deadline.timed(events):
                 if isinstance(event, TextDelta):
                     text.append(event.text)
                 elif isinstance(event, Finished):
                     finished = event
+        except asyncio.TimeoutError:
+            raise deadline.error() from None
+        except UNIT_LOST as err:
+            await self._forget(job)
+            raise unit_lost(err) from None
         finally:
-            events.cancel()  # a no-op once finished; frees the sequence if this handler is cancelled
+            events.cancel()  # a no-op once finished; frees the sequence if this handler is cancelled or late
         if finished is None or finished.finish_reason == "error":
-            raise APIError(
-                f"generation failed: {finished.error if finished else 'the unit ended the stream'}",
-                status=500, type="server_error", code="unit_failed",
-            )
+            raise unit_failed(finished.error if finished else "the unit ended the stream")
         text.append(finished.text)
         self._maybe_audit(job, finished)
         usage = usage_body(len(job.prompt_ids), len(finished.token_ids), finished.speculative)
@@ -223,11 +243,18 @@ class OpenAIIngress:
                                  chat=chat, created=int(time.time()))
         return JSONResponse(result, headers=headers)
 
-    async def _start(self, job: DecodeJob):
-        """Send the job to a unit and wait until one accepted it; 503 + Retry-After when every queue is full."""
+    async def _start(self, job: DecodeJob, deadline: Deadline):
+        """Send the job to a unit and wait until one accepted it; 503 + Retry-After when every queue is full
+        or the unit went away, 408 when none accepted it in time."""
         events = self.decoder.generate.remote(job)
         try:
-            first = await events.__anext__()
+            first = await deadline.next(events)
+        except asyncio.TimeoutError:
+            events.cancel()
+            raise deadline.error() from None
+        except UNIT_LOST as err:
+            await self._forget(job)
+            raise unit_lost(err) from None
         except BackPressureError as err:
             retry = err.retry_after_s or DEFAULT_RETRY_AFTER_S
             raise APIError(
@@ -238,14 +265,14 @@ class OpenAIIngress:
             raise RuntimeError(f"unit protocol: expected UnitStarted, got {type(first).__name__}")
         return events
 
-    async def _stream(self, job: DecodeJob, events, body, *, chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, job: DecodeJob, events, body, deadline: Deadline, *, chat: bool) -> AsyncIterator[str]:
         created = int(time.time())
         model = body.model
         finished = None
         try:
             if chat:
                 yield _sse(chunk_body(job.request_id, model, created, chat=True, role=True))
-            async for event in events:
+            async for event in deadline.timed(events):
                 if isinstance(event, TextDelta) and event.text:
                     yield _sse(chunk_body(job.request_id, model, created, chat=chat, text=event.text))
                 elif isinstance(event, Finished):
@@ -262,6 +289,13 @@ class OpenAIIngress:
                     usage = usage_body(len(job.prompt_ids), len(finished.token_ids), finished.speculative)
                     yield _sse(chunk_body(job.request_id, model, created, chat=chat, usage=usage, no_choices=True))
                 self._maybe_audit(job, finished)
+            yield SSE_DONE
+        except asyncio.TimeoutError:
+            yield _sse(deadline.error().body())
+            yield SSE_DONE
+        except UNIT_LOST as err:
+            await self._forget(job)
+            yield _sse(unit_lost(err).body())
             yield SSE_DONE
         except Exception as err:  # the status line is sent already: report in-band, then end the stream
             logger.exception("request %s: stream failed", job.request_id)
@@ -295,3 +329,14 @@ class OpenAIIngress:
 
     def _send_audit(self, record) -> None:
         self.hub().record.remote([record])
+
+    async def _forget(self, job: DecodeJob) -> None:
+        """The unit that held `job` died: close the ledger it left open in the app's policy actor."""
+        from actors.remote.policy import RemotePolicy
+
+        try:
+            if self._policy is None:
+                self._policy = RemotePolicy(policy_actor_name(self.app_name), **policy_kwargs(self.config))
+            await self._policy.close_request(job.request_id)
+        except Exception as err:  # the policy restarting loses the ledger anyway
+            logger.warning("request %s: closing the ledger of a lost unit failed: %s", job.request_id, err)

@@ -18,6 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
+MAX_TEMPERATURE = 2.0  # OpenAI's range; far larger values overflow float32 in the sampler
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (as vLLM does): 1/T would overflow the logits
+INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1
 
 
 class APIError(Exception):
@@ -91,6 +94,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="Send a final chunk carrying `usage` (with `speculative`).")
 
 
+def _declare(**schema: Any):
+    """A field's JSON schema as its validators enforce it, where pydantic cannot derive it from the type."""
+
+    def update(field_schema: dict[str, Any]) -> None:
+        if "anyOf" in schema:
+            field_schema.pop("type", None)
+        field_schema.update(schema)
+
+    return update
+
+
 class _SamplingFields(BaseModel):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
@@ -98,12 +112,21 @@ class _SamplingFields(BaseModel):
 
     model: str = Field(min_length=1, description="The served model id (`GET /v1/models`).")
     max_tokens: int | None = Field(None, description="Most tokens to generate; None uses the server default.")
-    temperature: float = Field(1.0, ge=0.0, description="0 is greedy; > 0 samples.")
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE,
+                               description=f"0 (or below {SAMPLING_EPS}) is greedy; > 0 samples; at most 2.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].")
-    top_k: int | None = Field(None, ge=-1, description="Extension: keep the k most likely tokens; 0 or -1 = off.")
-    seed: int | None = Field(None, description="Seed of the request's random generator (sampling).")
-    stop: str | list[str] | None = Field(None, description="Up to 4 strings; output ends before the first one.")
-    n: int = Field(1, description="Choices per request; only 1 is supported.")
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX,
+                              description="Extension: keep the k most likely tokens; 0 or -1 = off.")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
+                             description="Seed of the request's random generator (sampling).")
+    stop: str | list[str] | None = Field(
+        None, description="Up to 4 strings; output ends before the first one.",
+        json_schema_extra=_declare(anyOf=[{"type": "string", "minLength": 1},
+                                          {"type": "array", "items": {"type": "string", "minLength": 1},
+                                           "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]),
+    )
+    n: int = Field(1, description="Choices per request; only 1 is supported.",
+                   json_schema_extra=_declare(minimum=1, maximum=1))
     user: str | None = Field(None, max_length=256, description="End-user id; makes the A/B arm sticky.")
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: StreamOptions | None = None
@@ -144,25 +167,39 @@ class _SamplingFields(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling(self, defaults: Any = None) -> dict[str, Any]:
-        """`temperature`, `top_p` and `top_k` (None = off) of the request: each as the request sent it, else the
-        operator's default (`serving.defaults`, a `cluster.config.SamplingDefaults`; None there keeps the
-        OpenAI default), else the OpenAI default (temperature 1, top_p 1, no top_k)."""
+    def sampling(self, defaults: Any = None, vocab_size: int | None = None) -> dict[str, Any]:
+        """`temperature`, `top_p` and `top_k` (None = off) as the sampler takes them. Each is the request's own
+        value, else the operator's default (`serving.defaults`, a `cluster.config.SamplingDefaults`; None there
+        keeps the OpenAI default), else the OpenAI default (temperature 1, top_p 1, no top_k). Then: a
+        temperature below SAMPLING_EPS decodes greedily (1/T would overflow the logits), top_p is at least
+        SAMPLING_EPS (smaller keeps the top token all the same, and would round to 0 in float32), and a top_k at
+        or above `vocab_size` is off."""
         sent = self.model_fields_set
 
         def pick(name: str, own: Any) -> Any:
             default = getattr(defaults, name, None)
             return own if name in sent or default is None else default
 
-        return {"temperature": pick("temperature", self.temperature), "top_p": pick("top_p", self.top_p),
-                "top_k": pick("top_k", self.top_k_or_none)}
+        temperature, top_p, top_k = (pick("temperature", self.temperature), pick("top_p", self.top_p),
+                                     pick("top_k", self.top_k_or_none))
+        if vocab_size is not None and top_k is not None and top_k >= vocab_size:
+            top_k = None
+        return {"temperature": temperature if temperature >= SAMPLING_EPS else 0.0,
+                "top_p": max(top_p, SAMPLING_EPS), "top_k": top_k}
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `prompt` is text, a one-element list of text, or a list of token ids."""
 
-    prompt: str | list[str] | list[int] = Field(description="The prompt (one prompt per request).")
-    echo: bool = Field(False, description="Not supported; must be false.")
+    prompt: str | list[str] | list[int] = Field(
+        description="The prompt (one prompt per request): text, a list of one text, or token ids.",
+        json_schema_extra=_declare(anyOf=[
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        ]),
+    )
+    echo: bool = Field(False, description="Not supported; must be false.", json_schema_extra=_declare(const=False))
 
     @field_validator("prompt")
     @classmethod
