@@ -87,7 +87,8 @@ class StaticForward:
         if not isinstance(tokens, Tensor):
             meta[index, 2 : 2 + T] = torch.tensor([list(t) + [0] * (T - len(t)) for t in tokens])
         want = T if logit_index is None else logit_index.shape[1]
-        meta[index, 2 + T : 2 + T + want] = torch.arange(T).expand(len(slots), T) if logit_index is None else logit_index
+        every = torch.arange(T).expand(len(slots), T)  # [B, T]: no logit_index means every position
+        meta[index, 2 + T : 2 + T + want] = every if logit_index is None else logit_index
         meta_d, index_d = to_device([meta, index], self.model.device)
         entry = self._entry(key)
         entry.meta.copy_(meta_d)
