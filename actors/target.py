@@ -12,22 +12,24 @@ round's rejected drafts), feeds the pending token plus drafts (or the prompt), a
   the same generator, reduced to `SampledScores` (`policies.asd_sampled.sampled_scores`) for the policy, which
   decides and charges their ledgers.
 
+Both run on the engine's device (`actors.scoring`): the round's tensors go there once and the results come
+back to the host once, so a GPU target syncs with the host once per round.
+
 `LocalTarget` is the in-process `TargetBackend`; `actors.remote.tp.TargetGroup` runs one `TargetStep` per
 tensor-parallel shard.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from actors.contracts import NO_CROP, Engine, TargetBatch, TargetResult
-from actors.sampling import SamplingSpec, SeededGenerators
-from policies.asd_sampled import sampled_scores
-from policies.exact import process_logits, verify_sampled
-from policies.scores import compact_scores
+from actors.devices import DeviceTimer
+from actors.sampling import SeededGenerators
+from actors.scoring import score_round
 
 
 class TargetStep:
@@ -37,7 +39,7 @@ class TargetStep:
     def __init__(self, engine: Engine, lead: bool = True):
         self.engine = engine
         self.lead = lead
-        self._generators = SeededGenerators()
+        self._generators = SeededGenerators(device=getattr(engine, "device", "cpu"))
 
     def __call__(self, batch: TargetBatch) -> TargetResult | None:
         engine = self.engine
@@ -49,44 +51,17 @@ class TargetStep:
                 engine.crop(seq_id, crop)
         # only the lead's logits are used: the other ranks skip most of the lm_head
         rows = batch.num_logits() if self.lead else [1] * len(batch.seq_ids)
-        start = time.perf_counter()
+        timer = DeviceTimer(self._generators.device).start()
         logits = engine.forward(batch.seq_ids, batch.tokens, rows)  # [B, T, V]
-        forward_s = time.perf_counter() - start
-        return self.postprocess(logits, batch, forward_s) if self.lead else None
+        timer.stop()
+        if not self.lead:
+            return None
+        result = self.postprocess(logits, batch)  # brings the results to the host: the forward is done
+        return replace(result, forward_s=timer.seconds())
 
     def postprocess(self, logits: torch.Tensor, batch: TargetBatch, forward_s: float = 0.0) -> TargetResult:
-        # logits: [B, T, V] from `batch.num_logits()`: row b's scored positions first
-        k_max = batch.draft_ids.shape[1]
-        if logits.shape[1] < k_max + 1:  # positions no row drafted: never read, padded for the block shape
-            logits = torch.nn.functional.pad(logits, (0, 0, 0, k_max + 1 - logits.shape[1]))
-        rows = logits[:, : k_max + 1]  # [B, Kmax+1, V]
-        scores = compact_scores(batch.draft_ids, rows)
-        tokens: dict[int, list[int]] = {}
-        accepted: dict[int, int] = {}
-        relaxed = {}
-        for b, spec in enumerate(batch.sampling):
-            if spec.greedy:
-                continue
-            p = process_logits(rows[b : b + 1], spec.temperature, spec.top_k, spec.top_p)  # [1, Kmax+1, V]
-            q = None if batch.draft_probs is None else batch.draft_probs[b : b + 1]  # [1, Kmax, V]
-            generator = self._generator(batch.seq_ids[b], spec)
-            config = batch.relaxed_sampled.get(b)
-            if config is not None:
-                relaxed[b] = sampled_scores(batch.draft_ids[b : b + 1], q, p, config, generator,
-                                            batch.draft_lens[b : b + 1]).to("cpu")
-                continue
-            verdict = verify_sampled(
-                batch.draft_ids[b : b + 1], q, p, generator=generator, draft_lens=batch.draft_lens[b : b + 1],
-            )
-            n = int(verdict.num_accepted[0])
-            tokens[b] = verdict.tokens[0, : n + 1].tolist()
-            accepted[b] = n
-        return TargetResult(scores, tokens, accepted, forward_s, relaxed)
-
-    def _generator(self, seq_id: str, spec: SamplingSpec) -> list[torch.Generator] | None:
-        # a list of one: the row draws exactly K_b + 1 uniforms, whatever the batch's widest block
-        gen = self._generators.get(seq_id, spec)
-        return None if gen is None else [gen]
+        # logits: [B, T, V] on the engine's device from `batch.num_logits()`: row b's scored positions first
+        return score_round(logits, batch, self._generators.get, forward_s)
 
     def release(self, seq_ids: Sequence[str]) -> None:
         for seq_id in seq_ids:

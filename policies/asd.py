@@ -73,7 +73,8 @@ def verify_asd_scores(
         raise ValueError(f"config must be an ASDConfig, got {type(config).__name__}")
 
     k = draft_ids.shape[1]
-    pos = positions(k)  # [K]
+    device = draft_ids.device
+    pos = positions(k, device)  # [K]
     valid = pos < lens[:, None]  # [B, K]
     target = scores.argmax_ids[:, :k]  # [B, K]
     mismatch = (draft_ids != target) & valid  # [B, K]
@@ -82,8 +83,9 @@ def verify_asd_scores(
     cost = torch.where(mismatch, regret, 0.0)  # [B, K]
     spent_incl = cost.cumsum(dim=1)  # [B, K], block regret up to and including i
     if config.g > 0 and config.max_relaxed_per_block > 0:
-        remaining = torch.tensor([ledger.remaining for ledger in ledgers], dtype=torch.float64)  # [B]
-        spent_before = torch.cat([torch.zeros(len(ledgers), 1, dtype=torch.float64), spent_incl[:, :-1]], dim=1)
+        remaining = torch.tensor([ledger.remaining for ledger in ledgers], dtype=torch.float64, device=device)  # [B]
+        spent_before = torch.cat([torch.zeros(len(ledgers), 1, dtype=torch.float64, device=device),
+                                  spent_incl[:, :-1]], dim=1)  # [B, K]
         block_len = lens[:, None].double()  # [B, 1]
         gate = regret * block_len <= config.g * (block_len - pos)  # r_i / v_i ≤ g, with v_i > 0 where valid
         cap = mismatch.long().cumsum(dim=1) <= config.max_relaxed_per_block  # [B, K]

@@ -8,19 +8,24 @@
 
 Shapes: B rows, K draft positions, V vocabulary. Logits and probabilities are teacher-forced on the draft:
 row i scores the token after the first i draft tokens.
+
+Devices: inputs share one device and results stay there. `validate=False` skips the checks that read tensor
+values (on a GPU each is a host sync), for a caller that checked its inputs on the host or checks the results
+once; parameters given as Python numbers are always checked, on the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from policies.scores import TargetScores, compact_scores
-from policies.verdict import Verdict, accepted_prefix, assemble_tokens, check_draft, check_vocab_range, positions
+from policies.verdict import (Verdict, accepted_prefix, assemble_tokens, check_devices, check_draft,
+                              check_vocab_range, positions)
 
-Generators = torch.Generator | Sequence[torch.Generator] | None
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
 def verify_greedy(
@@ -41,7 +46,7 @@ def verify_greedy_scores(
     lens = check_draft(draft_ids, draft_lens)  # [B]
     scores.check(draft_ids)
     k = draft_ids.shape[1]
-    valid = positions(k) < lens[:, None]  # [B, K]
+    valid = positions(k, draft_ids.device) < lens[:, None]  # [B, K]
     match = (draft_ids == scores.argmax_ids[:, :k]) & valid  # [B, K]
     num_accepted = accepted_prefix(match)  # [B]
     last = scores.argmax_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
@@ -52,7 +57,8 @@ def process_logits(
     logits: torch.Tensor,  # [B, ..., V] float
     temperature: float | torch.Tensor,  # scalar or [B]
     top_k: int | torch.Tensor | None = None,  # scalar or [B]; None keeps all
-    top_p: float | torch.Tensor | None = None,  # scalar or [B] in (0, 1]; None keeps all
+    top_p: float | torch.Tensor | None = None,  # scalar or [B] in (0, 1]; None or 1 keeps all
+    validate: bool = True,
 ) -> torch.Tensor:  # [B, ..., V] float probabilities
     """Turn logits into the sampling distribution; the one place this happens, for drafter and target alike.
 
@@ -60,41 +66,41 @@ def process_logits(
     smallest top-probability set whose mass reaches top_p, softmax. Tokens tied with the last kept one are
     kept too, so the result never depends on how a sort breaks ties.
     Temperature 0 gives the one-hot distribution of the argmax (greedy as a distribution).
-    A per-row tensor parameter [B] applies to dim 0 of `logits`.
+    A per-row tensor parameter [B] applies to dim 0 of `logits`; top_p = 1 keeps every token exactly.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1 or not logits.is_floating_point():
         raise ValueError("logits must be a floating-point tensor [..., V]")
-    row_max = logits.amax(dim=-1)  # NaN propagates through max
-    if bool(torch.isnan(row_max).any()) or bool((row_max == float("inf")).any()):
-        raise ValueError("logits holds NaN or +inf values")
+    if validate:
+        row_max = logits.amax(dim=-1)  # NaN propagates through max
+        if bool(torch.isnan(row_max).any()) or bool((row_max == float("inf")).any()):
+            raise ValueError("logits holds NaN or +inf values")
     vocab = logits.shape[-1]
-    temperature = _per_row("temperature", temperature, logits, torch.float32)
-    if bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
-        raise ValueError("temperature must be finite and ≥ 0")
+    any_greedy = _any_zero(temperature) if validate or _on_host(temperature) else True
+    temperature = _per_row("temperature", temperature, logits, torch.float32, validate,
+                           lambda t: bool((t >= 0).all()) and bool(torch.isfinite(t).all()), "finite and ≥ 0")
     greedy = temperature == 0  # broadcastable to logits
     scaled = logits / torch.where(greedy, 1.0, temperature)  # [B, ..., V]
     if top_k is not None or top_p is not None:
         ranked = _sorted_descending(scaled)  # [B, ..., V], values only
         if top_k is not None:
-            k = _per_row("top_k", top_k, logits, torch.long)
-            if bool((k < 1).any()):
-                raise ValueError("top_k must be ≥ 1 (None keeps every token)")
+            k = _per_row("top_k", top_k, logits, torch.long, validate, lambda t: bool((t >= 1).all()),
+                         "≥ 1 (None keeps every token)")
             kth = ranked.gather(-1, (k.clamp(max=vocab) - 1).expand(*ranked.shape[:-1], 1))  # [B, ..., 1]
             ranked = ranked.masked_fill(ranked < kth, float("-inf"))
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # [B, ..., V]
         if top_p is not None:
-            p = _per_row("top_p", top_p, logits, scaled.dtype)
-            if bool(((p <= 0) | (p > 1)).any()):
-                raise ValueError("top_p must lie in (0, 1]")
+            p = _per_row("top_p", top_p, logits, scaled.dtype, validate, lambda t: bool(((t > 0) & (t <= 1)).all()),
+                         "in (0, 1]")
             ranked_probs = ranked.softmax(dim=-1)  # [B, ..., V]
             mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs  # [B, ..., V]
             keep = (mass_before < p).sum(dim=-1, keepdim=True)  # [B, ..., 1], ≥ 1: the top token has 0 before it
+            keep = torch.where(p >= 1, vocab, keep)  # rounding may leave mass_before ≥ 1 in the tail
             smallest_kept = ranked.gather(-1, keep - 1)  # [B, ..., 1]
             scaled = scaled.masked_fill(scaled < smallest_kept, float("-inf"))  # ties with it stay
-    if not bool(torch.isfinite(scaled.amax(dim=-1)).all()):
+    if validate and not bool(torch.isfinite(scaled.amax(dim=-1)).all()):
         raise ValueError("logits has a row where every value is -inf")
     probs = scaled.softmax(dim=-1)  # [B, ..., V]
-    if bool(greedy.any()):
+    if any_greedy:  # unknown on the device without a sync, which costs more than the where it would skip
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [B, ..., V]
         probs = torch.where(greedy, one_hot, probs)
     return probs
@@ -106,6 +112,8 @@ def verify_sampled(
     target_probs: torch.Tensor,  # [B, K+1, V] float p
     generator: Generators = None,
     draft_lens: torch.Tensor | None = None,  # [B] long
+    uniforms: torch.Tensor | None = None,  # [B, K+1] float, drawn already (`draw_uniforms`); then no generator
+    validate: bool = True,
 ) -> Verdict:
     """Speculative sampling (Leviathan et al. 2022). The emitted tokens follow p exactly.
 
@@ -117,24 +125,33 @@ def verify_sampled(
 
     `generator` is one torch.Generator (or None: the global one) for the whole batch, or a list of B of them:
     then row b draws its K_b + 1 uniforms from its own generator only, so a seeded request reproduces whatever
-    else is in its batch.
+    else is in its batch; an entry None draws from the device's global generator.
     """
-    lens = check_draft(draft_ids, draft_lens)  # [B]
+    device = check_devices(draft_ids=draft_ids, target_probs=target_probs, draft_probs=draft_probs,
+                           draft_lens=draft_lens, uniforms=uniforms)
     batch, k = draft_ids.shape
-    valid = positions(k) < lens[:, None]  # [B, K]
-    scored = positions(k + 1) <= lens[:, None]  # [B, K+1]
-    p = _check_probs("target_probs", target_probs, (batch, k + 1), scored)  # [B, K+1, V]
+    if validate:
+        lens = check_draft(draft_ids, draft_lens)  # [B]
+    else:
+        lens = torch.full((batch,), k, device=device) if draft_lens is None else draft_lens.long()  # [B]
+    valid = positions(k, device) < lens[:, None]  # [B, K]
+    scored = positions(k + 1, device) <= lens[:, None]  # [B, K+1]
+    p = _check_probs("target_probs", target_probs, (batch, k + 1), scored, validate)  # [B, K+1, V]
     vocab = p.shape[2]
-    check_vocab_range(draft_ids, vocab)
+    if validate:
+        check_vocab_range(draft_ids, vocab)
     if draft_probs is not None:
-        q = _check_probs("draft_probs", draft_probs, (batch, k, vocab), valid)  # [B, K, V]
+        q = _check_probs("draft_probs", draft_probs, (batch, k, vocab), valid, validate)  # [B, K, V]
     x = draft_ids.clamp(min=0)  # [B, K]
-    uniforms = _uniforms(generator, lens, k)  # [B, K+1]; column K_b of row b samples the last token
+    if uniforms is None:
+        uniforms = _uniforms(generator, lens, k, device)  # [B, K+1]; column K_b of row b samples the last token
+    elif generator is not None or tuple(uniforms.shape) != (batch, k + 1):
+        raise ValueError(f"uniforms must have shape [{batch}, {k + 1}] and come without a generator")
     p_x = p[:, :k].gather(-1, x[..., None]).squeeze(-1)  # [B, K]
     q_x = torch.ones_like(p_x) if draft_probs is None else q.gather(-1, x[..., None]).squeeze(-1)  # [B, K]
     accept = (uniforms[:, :k] * q_x < p_x) & valid  # [B, K]
     num_accepted = accepted_prefix(accept)  # [B]
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=device)
     p_last = p[rows, num_accepted]  # [B, V]
     rejected = num_accepted < lens  # [B]
     stop = num_accepted.clamp(max=k - 1)  # [B], row index of the rejected position
@@ -166,24 +183,36 @@ def _sample_inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return index.clamp(max=dist.shape[1] - 1)
 
 
-def _uniforms(generator: Generators, lens: torch.Tensor, k: int) -> torch.Tensor:
-    """U[0, 1) draws [B, K+1]. Per-row generators draw only the K_b + 1 values their row uses."""
+def _uniforms(generator: Generators, lens: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
+    """U[0, 1) draws [B, K+1] on `device`. Per-row generators draw only the K_b + 1 values their row uses."""
     batch = lens.shape[0]
     if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(batch, k + 1, generator=generator)
+        return torch.rand(batch, k + 1, generator=generator, device=device)
     generators = list(generator)
-    if len(generators) != batch or not all(isinstance(g, torch.Generator) for g in generators):
+    if len(generators) != batch or not all(g is None or isinstance(g, torch.Generator) for g in generators):
         raise ValueError(f"generator must be a torch.Generator or a list of B={batch} of them")
-    uniforms = torch.zeros(batch, k + 1)
-    for row, (g, n) in enumerate(zip(generators, lens.tolist())):
-        uniforms[row, : n + 1] = torch.rand(n + 1, generator=g)
+    return draw_uniforms(generators, lens.tolist(), k, device)
+
+
+def draw_uniforms(generators: Sequence[torch.Generator | None], lens: Sequence[int], k: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """U[0, 1) draws [B, K+1] for `verify_sampled(uniforms=)`: row b draws its K_b + 1 = lens[b] + 1 values
+    from generators[b] (None: the device's global generator), so a seeded row reproduces in any batch.
+
+    Generators must live on `device`. The row lengths come from the host, so drawing never waits for the device.
+    """
+    uniforms = torch.zeros(len(lens), k + 1, device=device)  # [B, K+1]
+    for row, (g, n) in enumerate(zip(generators, lens)):
+        uniforms[row, : n + 1] = torch.rand(n + 1, generator=g, device=device)
     return uniforms
 
 
-def _check_probs(name: str, probs: object, shape: tuple[int, ...], used: torch.Tensor) -> torch.Tensor:
+def _check_probs(name: str, probs: object, shape: tuple[int, ...], used: torch.Tensor,
+                 validate: bool = True) -> torch.Tensor:
     """Validate a probability tensor; `shape` gives its leading dims (and V when known).
 
-    Rows where `used` [B, n] is False (padding of ragged blocks) need not sum to 1.
+    Rows where `used` [B, n] is False (padding of ragged blocks) need not sum to 1. Without `validate` only
+    the shape is checked.
     """
     if not isinstance(probs, torch.Tensor) or probs.dim() != 3 or not probs.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor of rank 3")
@@ -191,6 +220,8 @@ def _check_probs(name: str, probs: object, shape: tuple[int, ...], used: torch.T
         raise ValueError(f"{name} must have leading shape {shape}, got {tuple(probs.shape)}")
     if probs.shape[2] == 0:
         raise ValueError(f"{name} has an empty vocabulary (V = 0)")
+    if not validate:
+        return probs
     # One min and one sum per row: NaN fails both comparisons, ±inf fails one of them.
     row_ok = (probs.amin(dim=-1) >= 0) & ((probs.sum(dim=-1) - 1).abs() <= 1e-3)  # [B, n]
     if not bool((row_ok | ~used).all()):
@@ -198,11 +229,24 @@ def _check_probs(name: str, probs: object, shape: tuple[int, ...], used: torch.T
     return probs
 
 
-def _per_row(name: str, value: float | int | torch.Tensor, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A scalar or a [B] tensor parameter, shaped to broadcast against logits [B, ..., V]."""
+def _per_row(name: str, value: float | int | torch.Tensor, logits: torch.Tensor, dtype: torch.dtype,
+             validate: bool, ok: Callable[[torch.Tensor], bool], rule: str) -> torch.Tensor:
+    """A scalar or a [B] tensor parameter, checked against `ok` (on the host for Python values, else only
+    with `validate`), on the logits' device and shaped to broadcast against logits [B, ..., V]."""
     tensor = torch.as_tensor(value, dtype=dtype)
+    if (_on_host(value) or validate) and not ok(tensor):
+        raise ValueError(f"{name} must be {rule}")
+    tensor = tensor.to(logits.device)
     if tensor.dim() == 0:
         return tensor.reshape([1] * logits.dim())
     if tensor.shape != (logits.shape[0],):
         raise ValueError(f"{name} must be a scalar or a tensor of shape [{logits.shape[0]}]")
     return tensor.reshape([-1] + [1] * (logits.dim() - 1))
+
+
+def _on_host(value: float | int | torch.Tensor) -> bool:
+    return not isinstance(value, torch.Tensor) or value.device.type == "cpu"
+
+
+def _any_zero(value: float | int | torch.Tensor) -> bool:
+    return bool((torch.as_tensor(value) == 0).any())

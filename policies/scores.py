@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policies.verdict import PAD_TOKEN_ID, check_vocab_range
+from policies.verdict import PAD_TOKEN_ID, check_devices, check_vocab_range
 
 _NUMPY_ARGMAX_DTYPES = (torch.float32, torch.float64)
 
@@ -39,6 +39,9 @@ class TargetScores:
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
                 got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
                 raise ValueError(f"scores.{name} must have shape {shape} to match draft_ids, got {got}")
+        check_devices(draft_ids=draft_ids, **{"scores.argmax_ids": self.argmax_ids,
+                                             "scores.argmax_logits": self.argmax_logits,
+                                             "scores.draft_logits": self.draft_logits})
         if self.argmax_ids.dtype != torch.long:
             raise ValueError(f"scores.argmax_ids must be torch.long, got {self.argmax_ids.dtype}")
         # The row maximum is NaN or ±inf whenever the row holds NaN or +inf (or only -inf).
@@ -49,11 +52,13 @@ class TargetScores:
             raise ValueError("scores.draft_logits must be ≤ scores.argmax_logits and not NaN")
 
 
-def compact_scores(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> TargetScores:
+def compact_scores(draft_ids: torch.Tensor, target_logits: torch.Tensor, validate: bool = True) -> TargetScores:
     """Reduce teacher-forced logits [B, K+1, V] to `TargetScores` with one pass of max over the vocabulary.
 
-    `draft_ids` [B, K] long, padded with PAD_TOKEN_ID; `target_logits` [B, K+1, V] float.
-    Raises ValueError on mismatched shapes, ids ≥ V, or NaN / +inf logits.
+    `draft_ids` [B, K] long, padded with PAD_TOKEN_ID; `target_logits` [B, K+1, V] float; both on one device,
+    where the scores are returned. Raises ValueError on mismatched shapes or devices and on ids ≥ V.
+    `validate=False` skips the checks that read values (each one a host sync on a GPU): for a caller that
+    checked the draft ids on the host already (NaN / +inf logits are caught later by `TargetScores.check`).
     """
     if not isinstance(draft_ids, torch.Tensor) or draft_ids.dim() != 2 or draft_ids.dtype != torch.long:
         raise ValueError("draft_ids must be a 2-D torch.long tensor [B, K]")
@@ -66,10 +71,12 @@ def compact_scores(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Targ
         )
     if not target_logits.is_floating_point():
         raise ValueError(f"target_logits must be floating point, got {target_logits.dtype}")
+    check_devices(target_logits=target_logits, draft_ids=draft_ids)
     vocab = target_logits.shape[2]
     if vocab == 0:
         raise ValueError("target_logits has an empty vocabulary (V = 0)")
-    check_vocab_range(draft_ids, vocab)
+    if validate:
+        check_vocab_range(draft_ids, vocab)
     argmax_ids = vocab_argmax(target_logits)  # [B, K+1]
     argmax_logits = target_logits.gather(-1, argmax_ids[..., None]).squeeze(-1)  # [B, K+1]
     is_pad = draft_ids == PAD_TOKEN_ID  # [B, K]

@@ -5,6 +5,9 @@ are the draft tokens kept; then exactly one more token is emitted: the **recover
 rejected position, or the **bonus** token after a fully accepted block. Rows of one batch may carry blocks of
 different lengths K_b ≤ K (**ragged** blocks): `draft_ids` is padded with `PAD_TOKEN_ID` beyond K_b and
 `draft_lens[b] = K_b`. A row with K_b = 0 is plain decoding: it emits one target token.
+
+Devices: every verifier works on the device of its inputs (all on one device, checked by `check_devices`) and
+returns its tensors there; nothing here moves data between devices.
 """
 
 from __future__ import annotations
@@ -51,15 +54,16 @@ def check_draft(draft_ids: torch.Tensor, draft_lens: torch.Tensor | None) -> tor
     if draft_lens is None:
         if bool((draft_ids < 0).any()):
             raise ValueError("draft_ids holds negative token ids; pass draft_lens for padded (ragged) blocks")
-        return torch.full((batch,), k, dtype=torch.long)
+        return torch.full((batch,), k, dtype=torch.long, device=draft_ids.device)
     if not isinstance(draft_lens, torch.Tensor) or draft_lens.shape != (batch,):
         raise ValueError(f"draft_lens must be a tensor of shape [{batch}], got {_describe(draft_lens)}")
     if draft_lens.dtype not in (torch.long, torch.int32, torch.int64):
         raise ValueError(f"draft_lens must be an integer tensor, got {draft_lens.dtype}")
+    check_devices(draft_ids=draft_ids, draft_lens=draft_lens)
     draft_lens = draft_lens.long()
     if bool(((draft_lens < 0) | (draft_lens > k)).any()):
         raise ValueError(f"draft_lens must lie in [0, K={k}], got {draft_lens.tolist()}")
-    valid = positions(k) < draft_lens[:, None]  # [B, K]
+    valid = positions(k, draft_ids.device) < draft_lens[:, None]  # [B, K]
     if bool((valid & (draft_ids < 0)).any()):
         raise ValueError("draft_ids holds negative token ids within draft_lens")
     if bool((~valid & (draft_ids != PAD_TOKEN_ID)).any()):
@@ -73,17 +77,33 @@ def check_vocab_range(draft_ids: torch.Tensor, vocab_size: int) -> None:
         raise ValueError(f"draft_ids holds token ids ≥ the vocabulary size {vocab_size}")
 
 
-def positions(k: int) -> torch.Tensor:
-    """Position indices 0..k-1 as a [k] long tensor."""
-    return torch.arange(k, dtype=torch.long)
+def check_devices(**tensors: torch.Tensor | None) -> torch.device | None:
+    """The one device of the given tensors (None entries skipped); ValueError naming the first one elsewhere.
+
+    Verifiers never move data: a caller that mixes devices (draft ids built on the host, logits on a GPU)
+    gets this error instead of torch's, and moves its tensors once per round on purpose.
+    """
+    named = [(name, t) for name, t in tensors.items() if isinstance(t, torch.Tensor)]
+    if not named:
+        return None
+    device = named[0][1].device
+    for name, t in named[1:]:
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {named[0][0]} is on {device}; move them to one device")
+    return device
+
+
+def positions(k: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Position indices 0..k-1 as a [k] long tensor on `device` (default the CPU)."""
+    return torch.arange(k, dtype=torch.long, device=device)
 
 
 def assemble_tokens(draft_ids: torch.Tensor, num_accepted: torch.Tensor, last_token: torch.Tensor) -> torch.Tensor:
     """Emitted tokens [B, K+1]: the first num_accepted[b] draft ids, then last_token[b], then padding."""
     batch, k = draft_ids.shape
-    pad = torch.full((batch, 1), PAD_TOKEN_ID, dtype=torch.long)
+    pad = torch.full((batch, 1), PAD_TOKEN_ID, dtype=torch.long, device=draft_ids.device)
     tokens = torch.cat([draft_ids, pad], dim=1)  # [B, K+1]
-    tokens = torch.where(positions(k + 1) < num_accepted[:, None], tokens, PAD_TOKEN_ID)  # [B, K+1]
+    tokens = torch.where(positions(k + 1, draft_ids.device) < num_accepted[:, None], tokens, PAD_TOKEN_ID)
     return tokens.scatter_(1, num_accepted[:, None], last_token[:, None])  # [B, K+1]
 
 

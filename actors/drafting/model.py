@@ -2,6 +2,10 @@
 
 Its vocabulary must equal the target's; `check_vocab` says so at load, naming both models. When any row samples,
 the q rows of every drafted position come back (`draft_probs`), one-hot for greedy rows.
+
+Drafting runs on the engine's device: each step's tokens are chosen there (argmax, or `RowSampler`: every
+row's distribution in one batched call, each sampled row drawing from its own generator) and fed back as a
+device tensor, so the host waits once per `propose`, when the drafts are brought back.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import numpy as np
 import torch
 
 from actors.contracts import DraftBatch, DraftRequest, Engine
-from actors.sampling import SeededGenerators
+from actors.devices import to_device, to_host
+from actors.sampling import SamplingSpec, SeededGenerators
 from policies.exact import process_logits
 
 
@@ -37,7 +42,7 @@ class ModelDrafter:
         self.engine = engine
         self.name = name
         self._cached: dict[str, list[int]] = {}  # tokens whose KV sits in the engine, per sequence
-        self._generators = SeededGenerators(salt=0x5EED)
+        self._generators = SeededGenerators(salt=0x5EED, device=engine.device)
 
     def _sync(self, seq_id: str, context: Sequence[int]) -> list[int]:
         """Crop the cache to the common prefix with context; return the tokens to feed (never empty)."""
@@ -56,44 +61,48 @@ class ModelDrafter:
         return list(context[common:])
 
     def propose(self, requests: list[DraftRequest]) -> DraftBatch:
-        active = [i for i, r in enumerate(requests) if r.gamma > 0]
+        # rows by γ, longest first: the rows still drafting at step s are a prefix, so no step gathers rows
+        active = sorted((i for i, r in enumerate(requests) if r.gamma > 0), key=lambda i: -requests[i].gamma)
         rows: list[list[int]] = [[] for _ in requests]
-        qs: list[list[torch.Tensor]] = [[] for _ in requests]
-        sampling = any(not requests[i].sampling.greedy for i in active)
-        feed = {i: self._sync(requests[i].seq_id, requests[i].context) for i in active}
-        while active:
-            seq_ids = [requests[i].seq_id for i in active]
-            logits = self.engine.forward(seq_ids, [feed[i] for i in active])  # [B, T, V]
-            last = torch.tensor([len(feed[i]) - 1 for i in active])
-            z = logits[torch.arange(len(active)), last]  # [B, V]
-            next_active = []
-            for j, i in enumerate(active):
-                spec = requests[i].sampling
-                if spec.greedy:
-                    token = int(z[j].argmax())
-                    if sampling:
-                        qs[i].append(torch.nn.functional.one_hot(torch.tensor(token), z.shape[-1]).float())
-                else:
-                    q = process_logits(z[j : j + 1], spec.temperature, spec.top_k, spec.top_p)[0]  # [V]
-                    token = int(torch.multinomial(q, 1, generator=self._generators.get(requests[i].seq_id, spec)))
-                    qs[i].append(q)
-                rows[i].append(token)
-                self._cached[requests[i].seq_id].append(token)
-                if len(rows[i]) < requests[i].gamma:
-                    feed[i] = [token]
-                    next_active.append(i)
-            active = next_active
-        # The last draft token of each row was sampled, not fed: its KV is not cached.
-        for i, r in enumerate(requests):
-            if rows[i]:
-                self._cached[r.seq_id].pop()
+        if not active:
+            return DraftBatch.from_rows(rows)
+        seq_ids = [requests[i].seq_id for i in active]
+        gammas = [requests[i].gamma for i in active]
+        specs = [requests[i].sampling for i in active]
+        feeds = [self._sync(requests[i].seq_id, requests[i].context) for i in active]
+        try:
+            return self._draft(requests, active, seq_ids, gammas, specs, feeds)
+        except Exception:  # the engine's caches no longer match `_cached`: start these sequences over
+            for sid in seq_ids:
+                self.release(sid)
+            raise
+
+    def _draft(self, requests, active, seq_ids, gammas, specs, feeds) -> DraftBatch:
+        rows: list[list[int]] = [[] for _ in requests]
+        device, width = self.engine.device, gammas[0]
+        sampler = None
+        if any(not s.greedy for s in specs):
+            generators = [self._generators.get(sid, spec) for sid, spec in zip(seq_ids, specs)]
+            sampler = RowSampler(specs, generators, self.engine.vocab_size, device)
+        drafted = torch.zeros(len(active), width, dtype=torch.long, device=device)  # [A, Kmax]
+        q_rows = None if sampler is None else torch.zeros(len(active), width, self.engine.vocab_size, device=device)
+        for step in range(width):
+            live = sum(g > step for g in gammas)
+            fed = feeds if step == 0 else drafted[:live, step - 1 : step]  # host lists, then [L, 1] on the device
+            z = self.engine.forward(seq_ids[:live], fed, [1] * live)[:, 0]  # [L, V]
+            if sampler is None:
+                drafted[:live, step] = z.argmax(dim=-1)
+            else:
+                drafted[:live, step], q_rows[:live, step] = sampler.sample(z)
+        drafted_host = to_host([drafted])[0].tolist()  # the one wait for the device
+        for j, i in enumerate(active):
+            rows[i] = drafted_host[j][: gammas[j]]
+            # every draft token but the last was fed: its KV sits in the engine
+            self._cached[seq_ids[j]].extend(rows[i][:-1])
         probs = None
-        if sampling:
-            width = max(1, max(len(r) for r in rows))
-            probs = torch.zeros(len(requests), width, self.engine.vocab_size)  # [B, Kmax, V]
-            for i, q_rows in enumerate(qs):
-                if q_rows:
-                    probs[i, : len(q_rows)] = torch.stack(q_rows)
+        if q_rows is not None:
+            probs = torch.zeros(len(requests), width, self.engine.vocab_size)  # [B, Kmax, V], zero past a row's γ
+            probs[torch.tensor(active)] = q_rows.cpu()
         return DraftBatch.from_rows(rows, probs)
 
     def release(self, seq_id: str) -> None:
@@ -103,3 +112,29 @@ class ModelDrafter:
 
     def active_ids(self) -> list[str]:
         return list(self._cached)
+
+
+class RowSampler:
+    """Per-row sampling of a batch of drafting rows on the device: `process_logits` once for all rows (with
+    per-row temperature, top_k, top_p; greedy rows get their one-hot q), then one draw per sampled row from
+    its own generator. Rows are a prefix of the rows it was built for (the rows still drafting)."""
+
+    def __init__(self, specs: list[SamplingSpec], generators: list, vocab: int, device: torch.device):
+        host = [torch.tensor([s.temperature for s in specs], dtype=torch.float32),
+                torch.tensor([s.top_k or vocab for s in specs]),  # V keeps every token
+                torch.tensor([s.top_p or 1.0 for s in specs], dtype=torch.float32)]  # 1 keeps every token
+        self.temperature, self.top_k, self.top_p = to_device(host, device)  # [A] each
+        self.use_top_k = any(s.top_k for s in specs)
+        self.use_top_p = any(s.top_p for s in specs)
+        self.sampled = [(j, g) for j, (s, g) in enumerate(zip(specs, generators)) if not s.greedy]
+
+    def sample(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [L] and their distributions q [L, V] for the logits z [L, V] of the first L rows."""
+        live = z.shape[0]
+        q = process_logits(z, self.temperature[:live], self.top_k[:live] if self.use_top_k else None,
+                           self.top_p[:live] if self.use_top_p else None, validate=False)  # [L, V]
+        tokens = z.argmax(dim=-1)  # [L]
+        for j, generator in self.sampled:
+            if j < live:
+                tokens[j : j + 1] = torch.multinomial(q[j], 1, generator=generator)
+        return tokens, q

@@ -13,6 +13,12 @@ Terms:
 - **tensor parallel**: with `args.tp_size > 1` the module holds one Megatron shard (see actors.sharding):
   q/k/v and gate/up hold this rank's heads / columns, o_proj and down_proj are row-split and their outputs
   are summed over the group with an all-reduce. Embedding, norms and lm_head are replicated.
+- **fused projections**: weights load as transformers names them (q/k/v_proj, gate/up_proj); `fuse_projections`
+  (called by the Engine) concatenates q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so a layer runs
+  four matrix products instead of seven (kernel launches dominate a small GPU decode step).
+- **grouped-query attention**: the G query heads that share a kv head are laid out as G·T query rows of that
+  head (`Attention.forward`), so fused attention kernels that refuse GQA with a mask still apply and keys are
+  never repeated. The mask is an additive bias computed once per forward (`CacheBatch.biases`).
 """
 
 from __future__ import annotations
@@ -113,17 +119,22 @@ def rope_frequencies(config) -> tuple[Tensor, float]:
     return inv_freq.float(), float(scale)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # y = w * x / sqrt(mean(x^2) + eps), computed in float32 as transformers does
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fn = rms_norm  # actors.engines.native.graphs.compile_pointwise may swap in a compiled one
 
     def forward(self, x: Tensor) -> Tensor:
-        # y = w * x / sqrt(mean(x^2) + eps), computed in float32 as transformers does
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.fn(x, self.weight, self.eps)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -134,6 +145,23 @@ def rotate_half(x: Tensor) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     # x [B, T, H, D], cos/sin [B, T, 1, D]
     return x * cos + rotate_half(x) * sin
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)  # [..., I] each
+    return F.silu(gate) * up
+
+
+def fuse_linear(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the given Linears' outputs concatenated (weights and biases stacked)."""
+    first = linears[0].weight
+    fused = nn.Linear(first.shape[1], sum(m.weight.shape[0] for m in linears), bias=linears[0].bias is not None,
+                      device=first.device, dtype=first.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([m.weight for m in linears]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([m.bias for m in linears]))
+    return fused.requires_grad_(False)
 
 
 def all_reduce(x: Tensor, args: ModelArgs, group) -> Tensor:
@@ -157,24 +185,28 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.rope_fn = apply_rope
+
+    def fuse(self) -> None:
+        if hasattr(self, "q_proj"):
+            self.qkv_proj = fuse_linear(self.q_proj, self.k_proj, self.v_proj)
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, batch: CacheBatch) -> Tensor:
         B, T, _ = x.shape  # x [B, T, hidden]
-        d = self.args.head_dim
-        q = self.q_proj(x).view(B, T, self.args.num_heads, d)  # [B, T, Hq, D]
-        k = self.k_proj(x).view(B, T, self.args.num_kv_heads, d)  # [B, T, Hkv, D]
-        v = self.v_proj(x).view(B, T, self.args.num_kv_heads, d)  # [B, T, Hkv, D]
+        d, h, kv = self.args.head_dim, self.args.num_heads, self.args.num_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, h + 2 * kv, d)  # [B, T, Hq + 2 Hkv, D]
+        q, k, v = qkv.split((h, kv, kv), dim=2)  # [B, T, Hq | Hkv | Hkv, D]
         if self.args.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
         cache.write(self.layer, batch, k, v)
         keys, values = cache.read(self.layer, batch)  # [B, Hkv, S, D] each
-        mask = batch.mask if self.window is None else batch.window_mask(self.window)  # [B, 1, T, S]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.args.num_heads != self.args.num_kv_heads
-        )  # [B, Hq, T, D]
-        out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # [B, T, hidden]
-        return all_reduce(out, self.args, self.tp_group)
+        g = h // kv
+        q = q.view(B, T, kv, g, d).permute(0, 2, 3, 1, 4).reshape(B, kv, g * T, d)  # [B, Hkv, G*T, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.biases[self.window])  # [B, Hkv, G*T, D]
+        out = out.view(B, kv, g, T, d).permute(0, 3, 1, 2, 4).reshape(B, T, h * d)  # [B, T, Hq*D]
+        return all_reduce(self.o_proj(out), self.args, self.tp_group)  # [B, T, hidden]
 
 
 class MLP(nn.Module):
@@ -184,9 +216,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias and args.tp_rank == 0)
+        self.act_fn = silu_mul
+
+    def fuse(self) -> None:
+        if hasattr(self, "gate_proj"):
+            self.gate_up_proj = fuse_linear(self.gate_proj, self.up_proj)
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, hidden]
+        out = self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [B, T, hidden]
         return all_reduce(out, self.args, self.tp_group)
 
 
@@ -208,7 +246,7 @@ class CausalLM(nn.Module):
 
     Parameter names equal transformers' without the `model.` prefix, so a HF state dict loads after
     `strip_prefix`. Build with `CausalLM(args, inv_freq, rope_scale)` then `load_state_dict`, or use
-    actors.loading.load_model.
+    actors.loading.load_model; an Engine fuses the projections before its first forward.
     """
 
     def __init__(self, args: ModelArgs, inv_freq: Tensor, rope_scale: float = 1.0, tp_group=None):
@@ -223,6 +261,13 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [D/2]
+
+    def fuse_projections(self) -> CausalLM:
+        """Concatenate q/k/v and gate/up weights (see the module docstring); idempotent, returns self."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     @property
     def dtype(self) -> torch.dtype:

@@ -89,3 +89,40 @@ def test_bad_input_is_a_value_error_naming_the_argument(model, call, argument):
     with pytest.raises(ValueError, match=f"^{argument}:"):
         call(engine)
     assert engine.active_ids() == ["k"] and engine.length("k") == 2  # a refused call changes nothing
+
+
+def test_fixed_shape_forward_equals_eager_across_key_buckets(model):
+    """The GPU path (slot space, dummy rows, bucketed key lengths), run on the CPU without capture."""
+    eager = Engine(model, max_slots=3, max_seq_len=300)
+    fixed = Engine(model, max_slots=3, max_seq_len=300, graphs=True)
+    assert fixed.static is not None and not fixed.static.capture
+    ids = ["a", "b", "c"]
+    prompts = [list(range(3, 40)), list(range(50, 60)), [7]]
+    for engine in (eager, fixed):
+        engine.forward(ids, prompts)
+    feed = [[5], [6], [7]]
+    for step in range(100):  # "a" crosses 128 positions: a new key bucket, a new fixed shape
+        rows = ids if step % 3 else ["c", "a"]  # a subset in another order: slot 1 is a dummy row
+        tokens = [feed[ids.index(r)] * (1 + step % 4) for r in rows]  # blocks of 1-4 tokens, as verify feeds
+        want = eager.forward(rows, tokens, [len(t) for t in tokens])
+        got = fixed.forward(rows, tokens, [len(t) for t in tokens])
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        for r in rows:
+            feed[ids.index(r)] = [int(want[rows.index(r), -1].argmax())]
+            if step % 4 == 3:  # roll a verify block back, as a rejected draft does
+                for engine in (eager, fixed):
+                    engine.crop(r, engine.length(r) - 2)
+    assert fixed.length("a") > 128 and len(fixed.static._graphs) > 1
+
+
+def test_a_failed_forward_leaves_no_new_sequence(model, monkeypatch):
+    engine = Engine(model, max_slots=2)
+    engine.forward(["a"], [[1, 2]])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.model, "forward", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.forward(["a", "b"], [[3], [4]])
+    assert engine.active_ids() == ["a"] and engine.length("a") == 2

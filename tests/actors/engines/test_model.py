@@ -70,8 +70,9 @@ def test_full_and_incremental_logits_match_transformers(kind):
     torch.testing.assert_close(block, ref[36:], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "fixed-shape"])
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen3"])
-def test_ragged_batch_equals_one_sequence_at_a_time(kind):
+def test_ragged_batch_equals_one_sequence_at_a_time(kind, graphs):
     hf = _hf_model(kind)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 3, 14, 6)]
@@ -81,7 +82,7 @@ def test_ragged_batch_equals_one_sequence_at_a_time(kind):
     for i, (p, e) in enumerate(zip(prompts, extra)):
         alone.forward([f"s{i}"], [p])
         expected.append(alone.forward([f"s{i}"], [e])[0, : len(e)])
-    batched = Engine(_ours(hf), max_slots=8)
+    batched = Engine(_ours(hf), max_slots=8, graphs=graphs)  # fixed-shape: slot space, dummy rows, no capture
     ids = [f"s{i}" for i in range(4)]
     batched.forward(ids, prompts)
     batched.release("s1")  # s3 moves from slot 3 into slot 1; s1 comes back in slot 3

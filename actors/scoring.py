@@ -1,0 +1,101 @@
+"""What the target computes from its logits, on the logits' device, and the one transfer to the host per round.
+
+- greedy and ASD rows: compact scores (argmax id, its logit, the draft token's logit per position): one pass
+  over the vocabulary where the logits are, ~100 bytes a row to the host.
+- sampled rows: exact speculative sampling (`verify_sampled`), all of them in one batched call with per-row
+  processing parameters, each row drawing its uniforms from its own generator on the device.
+- relaxed sampled rows (`TargetBatch.relaxed_sampled`, an ASD arm with `asd.sampled: relaxed`): their block's
+  randomness reduced to `SampledScores` (`policies.asd_sampled.sampled_scores`) one row at a time, since each
+  row has its own ASD config; the policy decides and charges them. These rows cost a host sync each; they are
+  opt-in and rare.
+
+The round's host inputs (draft ids and lengths, the rows that sample, their parameters, the drafter's q rows)
+go to the device in one copy per dtype (`actors.devices.to_device`), the results come back in one
+(`to_host`): on a GPU the host syncs once per round. Checks that read values run on the host inputs before
+the move, or on the device as flags that travel back with the results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from actors.contracts import TargetBatch, TargetResult
+from actors.devices import to_device, to_host
+from actors.sampling import SamplingSpec
+from policies.asd_sampled import SampledScores, sampled_scores
+from policies.exact import draw_uniforms, process_logits, verify_sampled
+from policies.scores import TargetScores, compact_scores
+from policies.verdict import check_draft, check_vocab_range, positions
+
+GeneratorFor = Callable[[str, SamplingSpec], "torch.Generator | None"]
+
+
+def score_round(logits: Tensor, batch: TargetBatch, generator_for: GeneratorFor,
+                forward_s: float = 0.0) -> TargetResult:
+    """The round's `TargetResult` (on the host) from `logits` [B, T, V] (row b's scored positions first, on
+    the engine's device). `generator_for(seq_id, spec)` is a sampled row's generator (None: unseeded)."""
+    device = logits.device
+    batch_size, k = batch.draft_ids.shape
+    lens = check_draft(batch.draft_ids, batch.draft_lens)  # [B], on the host
+    check_vocab_range(batch.draft_ids, logits.shape[-1])
+    if logits.shape[1] < k + 1:  # positions no row drafted: never read, padded for the block shape
+        logits = torch.nn.functional.pad(logits, (0, 0, 0, k + 1 - logits.shape[1]))
+    rows = logits[:, : k + 1]  # [B, K+1, V]
+    sampled = [b for b, spec in enumerate(batch.sampling) if not spec.greedy and b not in batch.relaxed_sampled]
+    specs = [batch.sampling[b] for b in sampled]
+    vocab = logits.shape[-1]
+    params = torch.tensor([[s.temperature, s.top_p or 1.0] for s in specs], dtype=torch.float32).reshape(-1, 2)
+    top_k = torch.tensor([s.top_k or vocab for s in specs], dtype=torch.long)  # [S]; V keeps every token
+    host = [batch.draft_ids, lens, torch.tensor(sampled, dtype=torch.long), top_k, params]
+    q_host = None if batch.draft_probs is None or not sampled else batch.draft_probs[sampled]  # [S, K, V]
+    if q_host is not None:
+        host.append(q_host)
+    draft_ids, lens_d, picked, top_k, params, *q = to_device(host, device)
+
+    scores = compact_scores(draft_ids, rows, validate=False)
+    results = [scores.argmax_ids, scores.argmax_logits, scores.draft_logits]
+    finite = torch.isfinite(scores.argmax_logits).all()  # NaN or +inf logits make the row maximum so
+    q_ok = torch.ones((), dtype=torch.bool, device=device)
+    if sampled:
+        p = process_logits(rows[picked], params[:, 0],
+                           top_k if any(s.top_k for s in specs) else None,
+                           params[:, 1] if any(s.top_p for s in specs) else None, validate=False)  # [S, K+1, V]
+        q = q[0] if q else None  # [S, K, V]
+        if q is not None:
+            used = positions(k, device) < lens_d[picked][:, None]  # [S, K]
+            row_ok = (q.amin(dim=-1) >= 0) & ((q.sum(dim=-1) - 1).abs() <= 1e-3)  # [S, K]
+            q_ok = (row_ok | ~used).all()
+        sampled_lens = lens[sampled].tolist()  # host tensor: no sync
+        generators = [generator_for(batch.seq_ids[b], spec) for b, spec in zip(sampled, specs)]
+        uniforms = draw_uniforms(generators, sampled_lens, k, device)  # [S, K+1]
+        verdict = verify_sampled(draft_ids[picked], q, p, draft_lens=lens_d[picked], uniforms=uniforms,
+                                 validate=False)
+        results += [verdict.tokens, verdict.num_accepted]
+    results.append(torch.stack([finite, q_ok]))
+    back = to_host(results)  # the round's one host sync
+    if not bool(back[-1][0]):
+        raise ValueError("target_logits holds NaN or inf values")
+    if not bool(back[-1][1]):
+        raise ValueError("draft_probs must be finite and non-negative, and each row must sum to 1")
+    tokens: dict[int, list[int]] = {}
+    accepted: dict[int, int] = {}
+    if sampled:
+        emitted, counts = back[3].tolist(), back[4].tolist()
+        for j, b in enumerate(sampled):
+            tokens[b], accepted[b] = emitted[j][: counts[j] + 1], counts[j]
+    relaxed = {b: _relaxed_row(rows, batch, b, generator_for) for b in batch.relaxed_sampled}
+    return TargetResult(TargetScores(*back[:3]), tokens, accepted, forward_s, relaxed)
+
+
+def _relaxed_row(rows: Tensor, batch: TargetBatch, b: int, generator_for: GeneratorFor) -> SampledScores:
+    """Row b's `SampledScores` on the host; `rows` [B, K+1, V] are the round's logits on the device."""
+    spec = batch.sampling[b]
+    p = process_logits(rows[b : b + 1], spec.temperature, spec.top_k, spec.top_p)  # [1, K+1, V]
+    q = None if batch.draft_probs is None else batch.draft_probs[b : b + 1].to(rows.device)  # [1, K, V]
+    generator = generator_for(batch.seq_ids[b], spec)
+    # a list of one: the row draws exactly K_b + 1 uniforms, whatever the batch's widest block
+    return sampled_scores(batch.draft_ids[b : b + 1], q, p, batch.relaxed_sampled[b],
+                          None if generator is None else [generator], batch.draft_lens[b : b + 1]).to("cpu")
