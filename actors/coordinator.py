@@ -228,7 +228,7 @@ class Coordinator:
         report = RoundReport(
             rows=tuple((s.key(), lens[b], o.accepted) for b, (s, o) in enumerate(zip(rows, outcomes)) if o),
             batch_size=len(rows), draft_step_s=draft_s / max(1, max(lens)), score_s=result.forward_s or score_s,
-            score_tokens=max(lens) + 1,
+            score_tokens=max(lens) + 1, drafts=tuple(draft.row_confidence(b) for b, o in enumerate(outcomes) if o),
         )
         await self._settle_round(rows, batch, result, report, outcomes)  # 4. ASD rows + 6. stats in the policy
         verify_s = time.perf_counter() - t_verify
@@ -259,19 +259,7 @@ class Coordinator:
             for i, _ in asks:
                 rows[i].degraded = True
             return DraftBatch.empty(len(rows)), time.perf_counter() - start
-        elapsed = time.perf_counter() - start
-        width = sub.draft_ids.shape[1]
-        ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.long)  # [B, Kmax]
-        lens = torch.zeros(len(rows), dtype=torch.long)  # [B]
-        probs = None
-        if sub.draft_probs is not None:
-            probs = torch.zeros(len(rows), width, sub.draft_probs.shape[-1])  # [B, Kmax, V]
-        for j, (i, _) in enumerate(asks):
-            ids[i] = sub.draft_ids[j]
-            lens[i] = sub.draft_lens[j]
-            if probs is not None:
-                probs[i] = sub.draft_probs[j]
-        return DraftBatch(ids, lens, probs), elapsed
+        return sub.scatter([i for i, _ in asks], len(rows)), time.perf_counter() - start
 
     def _drafter_ready(self) -> bool:
         """False while a failed drafter is being restarted; rounds meanwhile decode target-only."""

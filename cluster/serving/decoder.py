@@ -96,7 +96,8 @@ def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
         drafter=DrafterSetup(
             kind=drafter.kind, source=drafter.source, dtype=drafter.dtype, device=drafter.device,
             prompt_lookup_min=drafter.prompt_lookup_min, prompt_lookup_max=drafter.prompt_lookup_max,
-            resources=drafter.resources.model_dump(),
+            suffix_max_depth=drafter.suffix_max_depth, suffix_min_confidence=drafter.suffix_min_confidence,
+            suffix_cache_tokens=drafter.suffix_cache_tokens, resources=drafter.resources.model_dump(),
         ),
         torch_threads=config.unit.torch_threads,
     )
