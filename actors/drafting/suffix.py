@@ -36,7 +36,6 @@ class SuffixDrafter:
         self._indexes: dict[str, SuffixIndex] = {}
         self._prompt_lens: dict[str, int] = {}  # tokens indexed before the first draft: prompt + first token
 
-    @property
     def active_ids(self) -> list[str]:
         """Sequences whose index is held (until `release`)."""
         return list(self._indexes)

@@ -62,12 +62,23 @@ class ModelSpec(_Strict):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = Field(
         "STRICT_PACK", description="Placement group strategy of the shards; STRICT_PACK keeps them on one node."
     )
+    process: Literal["auto", "replica", "actor"] = Field(
+        "auto", description="Where a target with tensor_parallel_size 1 runs: 'replica', in the unit's own "
+        "Serve replica process (no actor call per round; the replica reserves `resources` and holds the model), "
+        "or 'actor', in a shard actor like a tensor-parallel target. 'auto': replica for size 1, actors otherwise.")
 
     @model_validator(mode="after")
     def _gpu_needs_gpus(self) -> ModelSpec:
         if self.device == "cuda" and self.resources.num_gpus <= 0:
             raise ValueError("resources.num_gpus must be > 0 when device is 'cuda'")
+        if self.process == "replica" and self.tensor_parallel_size != 1:
+            raise ValueError("process 'replica' needs tensor_parallel_size 1 (shards are actors)")
         return self
+
+    @property
+    def in_replica(self) -> bool:
+        """The target runs in the unit's replica process (see `process`)."""
+        return self.process == "replica" or (self.process == "auto" and self.tensor_parallel_size == 1)
 
 
 class DrafterSpec(_Strict):

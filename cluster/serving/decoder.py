@@ -92,6 +92,7 @@ def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
             source=target.source, dtype=target.dtype, device=target.device, tp_size=target.tensor_parallel_size,
             max_slots=target.max_batch_size, max_seq_len=target.max_seq_len,
             resources=target.resources.model_dump(), placement_strategy=target.placement_strategy,
+            in_replica=target.in_replica,
         ),
         drafter=DrafterSetup(
             kind=drafter.kind, source=drafter.source, dtype=drafter.dtype, device=drafter.device,

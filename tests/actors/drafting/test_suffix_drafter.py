@@ -102,7 +102,7 @@ def test_suffix_greedy_identical_to_target_only(tiny, reference, fixed):
     outs = coord.generate_many_sync([greedy(f"r{i}", p) for i, p in enumerate(PROMPTS)])
     assert [o.token_ids for o in outs] == reference
     assert sum(o.record.draft_tokens for o in outs) > 0  # speculation actually happened
-    assert drafter.active_ids == [] and coord.target.engine.active_ids() == []
+    assert drafter.active_ids() == [] and coord.target.engine.active_ids() == []
     assert drafter.cache.num_tokens > 0  # finished outputs went to the cache
     if fixed is None:  # the policy learned α per (match length, confidence) cell from the reported drafts
         assert coord.policy.core.gamma.summary()["confidence"]["exact"]
@@ -124,7 +124,7 @@ def test_drafter_state_is_freed_on_abort(tiny):
     import asyncio
 
     asyncio.run(run())
-    assert drafter.active_ids == []
+    assert drafter.active_ids() == []
 
 
 def test_memory_does_not_grow_over_500_requests():
@@ -158,7 +158,7 @@ def test_memory_does_not_grow_over_500_requests():
         grown = tracemalloc.get_traced_memory()[0] - warm
     finally:
         tracemalloc.stop()
-    assert drafter.active_ids == [] and drafter._prompt_lens == {}
+    assert drafter.active_ids() == [] and drafter._prompt_lens == {}
     assert drafter.cache.num_tokens <= 8192
     assert grown < 300_000, f"drafter memory grew by {grown} bytes from request 150 to 500"
 
