@@ -43,9 +43,15 @@ class DraftRequest:
 
 @dataclass(frozen=True)
 class DraftBatch:
+    """Draft ids per row; a drafter that knows how likely its drafts are (the suffix drafter) adds, per token,
+    its confidence c_j ≈ P(draft tokens 0..j all accepted), and per row the match length L its draft continues
+    (`policies.confidence` learns α from both)."""
+
     draft_ids: torch.Tensor  # [B, Kmax] long, padded with PAD_TOKEN_ID
     draft_lens: torch.Tensor  # [B] long, tokens actually proposed per row
     draft_probs: torch.Tensor | None  # [B, Kmax, V] float q rows when any row samples, else None
+    confidence: torch.Tensor | None = None  # [B, Kmax] float, 0 beyond a row's draft; None: not reported
+    match_lens: torch.Tensor | None = None  # [B] long; None when confidence is None
 
     @staticmethod
     def empty(batch_size: int) -> DraftBatch:
@@ -53,14 +59,45 @@ class DraftBatch:
         return DraftBatch.from_rows([[] for _ in range(batch_size)])
 
     @staticmethod
-    def from_rows(rows: Sequence[Sequence[int]], draft_probs: torch.Tensor | None = None) -> DraftBatch:
-        """Pack ragged rows of draft ids, padding with PAD_TOKEN_ID to at least one column."""
+    def from_rows(rows: Sequence[Sequence[int]], draft_probs: torch.Tensor | None = None,
+                  confidence: Sequence[Sequence[float]] | None = None,
+                  match_lens: Sequence[int] | None = None) -> DraftBatch:
+        """Pack ragged rows of draft ids, padding with PAD_TOKEN_ID to at least one column (and confidence
+        rows, one value per draft token, with 0)."""
         width = max(1, max((len(r) for r in rows), default=0))
         ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.long)  # [B, Kmax]
+        conf = None if confidence is None else torch.zeros(len(rows), width)  # [B, Kmax]
         for b, row in enumerate(rows):
             if len(row):
                 ids[b, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
-        return DraftBatch(ids, torch.tensor([len(r) for r in rows], dtype=torch.long), draft_probs)
+                if conf is not None:
+                    conf[b, : len(row)] = torch.as_tensor(list(confidence[b]), dtype=torch.float)
+        lens = None if confidence is None else torch.as_tensor(list(match_lens or [0] * len(rows)), dtype=torch.long)
+        return DraftBatch(ids, torch.tensor([len(r) for r in rows], dtype=torch.long), draft_probs, conf, lens)
+
+    def scatter(self, rows: Sequence[int], batch_size: int) -> DraftBatch:
+        """This batch's row j as row `rows[j]` of a batch of `batch_size`; the other rows draft nothing."""
+        width = self.draft_ids.shape[1]
+        index = torch.as_tensor(list(rows), dtype=torch.long)  # [b]
+        ids = torch.full((batch_size, width), PAD_TOKEN_ID, dtype=torch.long)  # [B, Kmax]
+        ids[index] = self.draft_ids
+        lens = torch.zeros(batch_size, dtype=torch.long)  # [B]
+        lens[index] = self.draft_lens
+        parts = []
+        for part in (self.draft_probs, self.confidence, self.match_lens):  # [b, Kmax, V], [b, Kmax], [b]
+            full = None
+            if part is not None:
+                full = torch.zeros((batch_size, *part.shape[1:]), dtype=part.dtype)  # [B, ...]
+                full[index] = part
+            parts.append(full)
+        return DraftBatch(ids, lens, *parts)
+
+    def row_confidence(self, b: int) -> tuple[tuple[float, ...], int] | None:
+        """(confidence of each drafted token, match length) of row b, None when the drafter reports none."""
+        if self.confidence is None:
+            return None
+        k = int(self.draft_lens[b])
+        return tuple(self.confidence[b, :k].tolist()), int(self.match_lens[b])
 
 
     def scatter(self, rows: Sequence[int], batch_size: int) -> DraftBatch:
@@ -187,6 +224,7 @@ class RoundReport:
     draft_step_s: float  # drafter time per drafted position (0 when nothing was drafted)
     score_s: float  # target forward time for the round
     score_tokens: int  # tokens fed per row (max over rows: the padded width of the forward)
+    drafts: tuple[tuple[tuple[float, ...], int] | None, ...] = ()  # per entry of rows: (confidence, match length)
 
 
 @dataclass(frozen=True)

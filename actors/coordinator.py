@@ -228,7 +228,7 @@ class Coordinator:
         report = RoundReport(
             rows=tuple((s.key(), lens[b], o.accepted) for b, (s, o) in enumerate(zip(rows, outcomes)) if o),
             batch_size=len(rows), draft_step_s=draft_s / max(1, max(lens)), score_s=result.forward_s or score_s,
-            score_tokens=max(lens) + 1,
+            score_tokens=max(lens) + 1, drafts=tuple(draft.row_confidence(b) for b, o in enumerate(outcomes) if o),
         )
         await self._settle_round(rows, batch, result, report, outcomes)  # 4. ASD rows + 6. stats in the policy
         verify_s = time.perf_counter() - t_verify

@@ -76,8 +76,10 @@ class PolicyCore:
             for rid, k, n in zip(asd.request_ids, asd.draft_lens.tolist(), verdict.num_accepted.tolist()):
                 self.gamma.observe(rid, asd.arm, k, n)
         if report is not None:
-            for key, gamma, accepted in report.rows:
-                self.gamma.observe(key.request_id, key.arm, gamma, accepted)
+            drafts = report.drafts or (None,) * len(report.rows)
+            for (key, gamma, accepted), draft in zip(report.rows, drafts):
+                confidence, match_len = draft if draft and gamma else ((), 0)
+                self.gamma.observe(key.request_id, key.arm, gamma, accepted, confidence, match_len)
             self.gamma.observe_costs(report.batch_size, report.draft_step_s or None,
                                      {report.score_tokens: report.score_s})
         plan = [self.seeded_gamma if r.seeded else self.gamma.choose(r.request_id, r.arm, batch_size)

@@ -4,8 +4,12 @@ replicates).
 `build_unit(on_ray=True)` is what a Serve decoder replica runs: a tensor-parallel `TargetGroup` of shard
 actors in one placement group, a model drafter in its own actor (restarted by Ray when it dies; meanwhile the
 unit decodes target-only and marks requests degraded), and the app's policy actor. `build_unit(on_ray=False)`
-builds the same unit in the caller's process (CLI `generate`, tests, benchmarks). The n-gram drafter always
-runs in the coordinator's process.
+builds the same unit in the caller's process (CLI `generate`, tests, benchmarks). The n-gram and suffix
+drafters always run in the coordinator's process.
+
+A target with `in_replica=True` (tensor-parallel size 1 only) runs in the coordinator's process on Ray too:
+no actor call per round (~5 ms on a 2-core CPU), at the price that the replica holds the model and its torch
+threads, and a crash of the engine's process takes the replica down (Serve restarts it) instead of one actor.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class TargetSetup:
     prefill_chunk_tokens: int | None = None  # prompt tokens per unit step (actors.prefill); None: whole prompts
     resources: dict = field(default_factory=dict)  # Ray resources of each shard: num_cpus, num_gpus, memory_gb
     placement_strategy: str = "STRICT_PACK"
+    in_replica: bool = False  # TP 1: the engine in the coordinator's process, also on Ray (no shard actor)
 
 
 def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = DrafterSetup(),
@@ -50,9 +55,9 @@ def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = Drafte
     if drafter.kind == "model":
         check_vocab(target.source, info["vocab_size"], drafter.source, model_info(drafter.source)["vocab_size"])
     max_seq_len = min(target.max_seq_len or info["max_position_embeddings"], info["max_position_embeddings"])
-    if on_ray:
-        if policy is None:
-            raise ValueError("policy (the app's RemotePolicy) is required when on_ray=True")
+    if on_ray and policy is None:
+        raise ValueError("policy (the app's RemotePolicy) is required when on_ray=True")
+    if on_ray and not target.in_replica:
         from actors.remote.unit import ray_backends
 
         target_backend, drafter_backend = ray_backends(target, drafter, max_seq_len=max_seq_len,
@@ -61,13 +66,18 @@ def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = Drafte
         from actors.engines.native import Engine, load_model
 
         if target.tp_size != 1:
-            raise ValueError("tp_size > 1 needs on_ray=True (tensor-parallel shards are Ray actors)")
+            raise ValueError("tp_size > 1 needs on_ray=True and in_replica=False (shards are Ray actors)")
         if torch_threads:
             torch.set_num_threads(torch_threads)
         model, _ = load_model(target.source, target.dtype, target.device)
         target_backend = LocalTarget(Engine(model, target.max_slots, max_seq_len))
-        local = make_drafter(drafter, max_slots=target.max_slots, max_seq_len=max_seq_len)
-        drafter_backend = None if local is None else LocalDrafter(local)
+        if on_ray and drafter.kind == "model":
+            from actors.remote.unit import remote_drafter
+
+            drafter_backend = remote_drafter(target, drafter, max_seq_len=max_seq_len, torch_threads=torch_threads)
+        else:
+            local = make_drafter(drafter, max_slots=target.max_slots, max_seq_len=max_seq_len)
+            drafter_backend = None if local is None else LocalDrafter(local)
     return Coordinator(
         target=target_backend, drafter=drafter_backend, policy=policy or LocalPolicy(PolicyCore()),
         eos_token_ids=info["eos_token_ids"] if eos_token_ids is None else eos_token_ids, max_seq_len=max_seq_len,

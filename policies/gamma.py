@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from policies.confidence import ConfidenceAcceptance
 from policies.estimators import Acceptance, CostModel
 
 _TIE = 1e-9  # speculation must beat plain decoding (S = 1) by more than rounding: α = c is a tie, not a win
@@ -51,10 +52,30 @@ def best_gamma(alpha: float, c: float, gamma_max: int, verify_cost: Sequence[flo
     return best
 
 
+def explore_gamma(block: int, gamma_max: int, c: float, verify_cost: Sequence[float]) -> int:
+    """γ after a fully accepted block of `block` tokens: 2·block when that pays if the run goes on half as far
+    again (block/2 more tokens expected for the extra drafting and scoring), else `block`.
+
+    Acceptance in copy-heavy text comes in runs (a verbatim stretch is accepted until it ends), which a
+    geometric α learns only after many rounds; doubling reaches γ_max = 16 from γ = 2 in three rounds. One
+    accepted token is no run: a block of 1 stays 1.
+    Compared per unit of cost with the block just accepted, d = 2·block (at most γ_max):
+    (block + 1 + (d − block)/2) / (d·c + v(d)) against (block + 1) / (block·c + v(block)).
+    """
+    doubled = min(2 * block, gamma_max)
+    if block < 2 or doubled <= block:
+        return min(block, gamma_max)
+    stay = (block + 1) / (block * c + verify_cost[block])
+    grow = (block + 1 + (doubled - block) / 2) / (doubled * c + verify_cost[doubled])
+    return doubled if grow > stay else block
+
+
 @dataclass
 class _RequestState:
     acceptance: Acceptance = field(default_factory=Acceptance)
     plain_streak: int = 0  # consecutive observed rounds with γ = 0
+    full_block: int = 0  # size of the last block when it was fully accepted, else 0
+    draft_alpha: float | None = None  # calibrated α of the last draft that came with confidences
 
 
 class GammaPolicy:
@@ -72,10 +93,16 @@ class GammaPolicy:
     linearly between measured batch sizes. Until a 1-token time is measured (or inferred from two other token
     counts), v ≡ 1 and c = `draft_cost`.
 
+    Drafts with confidences (`observe(..., confidence=, match_len=)`, the suffix drafter): the arm learns α as
+    a function of each draft token's match length and confidence (`policies.confidence`); a request's α is
+    the higher of its running count and the calibrated α of its last draft (known as soon as the draft is).
+
     Choice. γ = best_gamma(α, c, gamma_max, v), and 0 whenever α ≤ c. Exploration: a request that has been
     observed for `probe_interval` consecutive plain rounds (report them with gamma=0) is given γ = 1 once,
-    so a workload whose acceptance recovered is noticed; `probe_interval=None` turns this off. `gamma_min`
-    is a floor on every choice (set it ≥ 1 to always speculate). `fixed_gamma` returns one γ always.
+    so a workload whose acceptance recovered is noticed; `probe_interval=None` turns this off. After a fully
+    accepted block, a speculating request's γ is at least `explore_gamma` of it (doubling while that pays), so
+    a verbatim stretch reaches γ_max in a few rounds; `explore=False` turns this off. `gamma_min` is a floor on every choice
+    (set it ≥ 1 to always speculate). `fixed_gamma` returns one γ always.
 
     Parameters: `gamma_max` the largest γ; `prior_alpha`, `prior_weight` the cold-start α of an arm and its
     weight in pseudo-trials; `request_weight` the arm estimate's weight in a request's estimate; `decay`
@@ -97,6 +124,7 @@ class GammaPolicy:
         cost_decay: float = 0.8,
         probe_interval: int | None = 32,
         fixed_gamma: int | None = None,
+        explore: bool = True,
     ) -> None:
         _check_gamma("gamma_max", gamma_max)
         _check_gamma("gamma_min", gamma_min)
@@ -125,8 +153,10 @@ class GammaPolicy:
         self.arm_decay = arm_decay
         self.probe_interval = probe_interval
         self.fixed_gamma = fixed_gamma
+        self.explore = explore
         self.costs = CostModel(default_draft_cost=draft_cost, decay=cost_decay)
         self._arms: dict[str, Acceptance] = {}
+        self._confidence: dict[str, ConfidenceAcceptance] = {}  # per arm, for drafts with confidences
         self._requests: dict[str, _RequestState] = {}
 
     @classmethod
@@ -134,18 +164,28 @@ class GammaPolicy:
         """A policy that always returns `gamma` (benchmarks: the best fixed γ vs adaptive)."""
         return cls(gamma_max=max(gamma, 0), fixed_gamma=gamma)
 
-    def observe(self, request_id: str, arm: str, gamma: int, accepted: int) -> None:
-        """Record one round of one request: `gamma` tokens drafted, `accepted` of them kept (γ = 0: plain)."""
+    def observe(self, request_id: str, arm: str, gamma: int, accepted: int, confidence: Sequence[float] = (),
+                match_len: int = 0) -> None:
+        """Record one round of one request: `gamma` tokens drafted, `accepted` of them kept (γ = 0: plain);
+        `confidence` (one per drafted token) and `match_len` when the drafter reports them."""
         _check_gamma("gamma", gamma)
         if isinstance(accepted, bool) or not isinstance(accepted, int) or not 0 <= accepted <= gamma:
             raise ValueError(f"accepted must be an int in [0, gamma={gamma}], got {accepted!r}")
+        if confidence and len(confidence) != gamma:
+            raise ValueError(f"confidence must have one entry per drafted token ({gamma}), got {len(confidence)}")
         state = self._requests.setdefault(request_id, _RequestState())
         if gamma == 0:
             state.plain_streak += 1
+            state.full_block = 0
             return
         state.plain_streak = 0
+        state.full_block = gamma if accepted == gamma else 0
         state.acceptance.update(gamma, accepted, self.decay)
         self._arms.setdefault(arm, Acceptance()).update(gamma, accepted, self.arm_decay)
+        if confidence:
+            table = self._confidence.setdefault(arm, ConfidenceAcceptance())
+            table.observe(match_len, confidence, accepted)
+            state.draft_alpha = table.draft_alpha(match_len, confidence)
 
     def observe_costs(
         self,
@@ -163,7 +203,11 @@ class GammaPolicy:
         state = self._requests.get(request_id) if request_id is not None else None
         if state is None:
             return arm_alpha
-        return state.acceptance.estimate(arm_alpha, self.request_weight)
+        counted = state.acceptance.estimate(arm_alpha, self.request_weight)
+        # A drafter with confidences cuts its own drafts short where they turn unlikely, so γ is only a cap
+        # there: the higher of the two estimates costs little when the next draft is junk (it is cut), while
+        # the lower one would cut a confident verbatim copy.
+        return counted if state.draft_alpha is None else max(state.draft_alpha, counted)
 
     def verify_cost(self, batch_size: int) -> list[float]:
         """v(γ) for γ = 0..gamma_max at this batch size (v(0) = 1)."""
@@ -179,11 +223,14 @@ class GammaPolicy:
             return self.fixed_gamma
         alpha = self.alpha(request_id, arm)
         c = self.draft_cost(batch_size)
-        gamma = 0 if alpha <= c else best_gamma(alpha, c, self.gamma_max, self.verify_cost(batch_size))
+        verify_cost = self.verify_cost(batch_size)
+        gamma = 0 if alpha <= c else best_gamma(alpha, c, self.gamma_max, verify_cost)
         state = self._requests.get(request_id)
         if gamma == 0 and state is not None and self.probe_interval is not None:
             if state.plain_streak >= self.probe_interval and self.gamma_max >= 1:
                 gamma = 1
+        if self.explore and gamma >= 1 and state is not None and state.full_block:  # not after a probe
+            gamma = max(gamma, explore_gamma(state.full_block, self.gamma_max, c, verify_cost))
         return max(gamma, self.gamma_min)
 
     def forget(self, request_id: str) -> None:
@@ -194,6 +241,7 @@ class GammaPolicy:
         """Plain-dict view for telemetry: α per arm, tracked requests, measured costs."""
         return {
             "arms": {arm: self.alpha(None, arm) for arm in self._arms},
+            "confidence": {arm: table.summary() for arm, table in self._confidence.items()},
             "requests": len(self._requests),
             "costs": self.costs.summary(),
             "fixed_gamma": self.fixed_gamma,

@@ -1,6 +1,8 @@
 """Drafters: propose γ tokens per sequence behind one small interface (`actors.contracts.Drafter`).
 
 - `ngram.NgramDrafter`: prompt lookup; microseconds, runs in the coordinator's process.
+- `suffix.SuffixDrafter`: suffix-automaton matching over the request and a cache of recent outputs, with a
+  confidence per draft token that sets each row's draft length; microseconds, in the coordinator's process.
 - `model.ModelDrafter`: a small causal LM with its own engine; in its own Ray actor on a cluster.
 
 `make_drafter` is the one place a drafter is built from its settings (the in-process unit, the drafter actor
@@ -16,16 +18,18 @@ from dataclasses import dataclass, field
 from actors.contracts import DraftBatch, DraftRequest, Drafter
 from actors.drafting.model import ModelDrafter, check_vocab
 from actors.drafting.ngram import NgramDrafter, ngram_lookup
+from actors.drafting.suffix import SuffixDrafter
 
-__all__ = ["DrafterSetup", "LocalDrafter", "ModelDrafter", "NgramDrafter", "check_vocab", "make_drafter",
-           "ngram_lookup"]
+__all__ = ["DrafterSetup", "LocalDrafter", "ModelDrafter", "NgramDrafter", "SuffixDrafter", "check_vocab",
+           "make_drafter", "ngram_lookup"]
 
-DRAFTER_KINDS = ("ngram", "model", "none")
+DRAFTER_KINDS = ("ngram", "suffix", "model", "none")
 
 
 @dataclass(frozen=True)
 class DrafterSetup:
-    """How a unit drafts: `kind` ngram | model | none, and the model drafter's own dtype, device and actor."""
+    """How a unit drafts: `kind` ngram | suffix | model | none, the in-process drafters' settings, and the model
+    drafter's own dtype, device and actor."""
 
     kind: str = "ngram"
     source: str | None = None  # model drafter's source (as target sources)
@@ -33,6 +37,9 @@ class DrafterSetup:
     device: str = "cpu"
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    suffix_max_depth: int = 32  # longest context suffix the suffix drafter matches
+    suffix_min_confidence: float = 0.4  # a suffix draft stops before a token less likely than this
+    suffix_cache_tokens: int = 65536  # the unit's cache of recent outputs (0: off)
     resources: dict = field(default_factory=dict)  # Ray resources of the drafter actor: num_cpus, num_gpus, memory_gb
 
     def __post_init__(self):
@@ -46,6 +53,8 @@ def make_drafter(setup: DrafterSetup, *, max_slots: int, max_seq_len: int | None
     """The drafter `setup` describes, in this process (None for kind 'none')."""
     if setup.kind == "ngram":
         return NgramDrafter(setup.prompt_lookup_min, setup.prompt_lookup_max)
+    if setup.kind == "suffix":
+        return SuffixDrafter(setup.suffix_max_depth, setup.suffix_min_confidence, setup.suffix_cache_tokens)
     if setup.kind == "model":
         from actors.engines.native import Engine, load_model
 

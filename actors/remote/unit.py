@@ -18,10 +18,14 @@ def ray_backends(target, drafter: DrafterSetup, *, max_seq_len: int, torch_threa
     group = TargetGroup(spec, num_cpus=target.resources.get("num_cpus", 0.5), resources=_bundle(target.resources),
                         strategy=target.placement_strategy)
     if drafter.kind == "model":
-        return group, RemoteDrafter(
-            lambda: start_drafter_actor(drafter, target.max_slots, max_seq_len, torch_threads or 1))
+        return group, remote_drafter(target, drafter, max_seq_len=max_seq_len, torch_threads=torch_threads)
     local = make_drafter(drafter, max_slots=target.max_slots, max_seq_len=max_seq_len)
     return group, None if local is None else LocalDrafter(local)
+
+
+def remote_drafter(target, drafter: DrafterSetup, *, max_seq_len: int, torch_threads: int | None) -> RemoteDrafter:
+    """A model drafter in its own actor (restarted when it dies), for the target `target` serves."""
+    return RemoteDrafter(lambda: start_drafter_actor(drafter, target.max_slots, max_seq_len, torch_threads or 1))
 
 
 def _bundle(resources: dict) -> dict | None:

@@ -7,7 +7,10 @@ prior. The modes of a sweep are interleaved wave by wave, so load drift on a sha
 
 Timing. A request's **e2e** time is from submission to its last token (prefill included, what a user waits);
 its **decode** time is from the first token to the last. tokens/s of a run is Σ output tokens / Σ wave wall
-time (a wave is one request at concurrency 1, N requests submitted together at concurrency N).
+time (a wave is one request at concurrency 1, N requests submitted together at concurrency N), each wave's
+time the least over the repeats (`best_of`): on a shared machine other work only ever adds time, so the
+fastest repeat of a wave is its least disturbed measurement, and one disturbed wave no longer moves a ratio.
+Greedy outputs are the same in every repeat, so the tokens are too.
 Every round's `RoundRecord` is kept (single stream) for the α, c and v(γ) fit in `cluster.bench.speedup`.
 """
 
@@ -64,13 +67,14 @@ class RequestMeasure:
 
 @dataclass(frozen=True)
 class RunMeasure:
-    """One mode on one workload at one concurrency: the median repeat's requests and every repeat's rate."""
+    """One mode on one workload at one concurrency: rates from each wave's fastest repeat (`best_of`), every
+    repeat's own rate, and the median repeat's requests."""
 
     workload: str
     mode: str
     concurrency: int
-    tokens_per_s: float  # median over repeats
-    decode_tokens_per_s: float  # median over repeats; (tokens - 1) / decode time (concurrency 1 only)
+    tokens_per_s: float  # Σ tokens / Σ per-wave least wall time over repeats
+    decode_tokens_per_s: float  # Σ (tokens - 1) / Σ per-request least decode time (concurrency 1 only)
     repeat_tokens_per_s: tuple[float, ...]
     requests: tuple[RequestMeasure, ...]  # from the median repeat
     rounds: tuple[RoundRecord, ...] = field(default=(), repr=False)  # median repeat, concurrency 1 only
@@ -99,6 +103,12 @@ class RunMeasure:
             out["regret_spent_mean"] = statistics.fmean(regret)
             out["relaxed_tokens"] = sum(r.relaxed_tokens or 0 for r in self.requests)
         return out
+
+
+def best_of(tokens: list[int], seconds_by_repeat: list[list[float]]) -> float:
+    """Σ tokens / Σ_i min over repeats of seconds[i]: each item's least disturbed time (0 when no time)."""
+    total = sum(min(times) for times in zip(*seconds_by_repeat))
+    return sum(tokens) / total if total > 0 else 0.0
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -206,24 +216,30 @@ class InProcessBench:
         batch = prompts if concurrency == 1 else cycle(prompts, max(concurrency, len(prompts)))
         waves = [batch[i : i + concurrency] for i in range(0, len(batch), concurrency)]
         repeats: dict[str, list] = {m.name: [] for m in modes}
-        for _ in range(self.repeats):
+        wave_walls: dict[str, list[list[float]]] = {m.name: [] for m in modes}  # [repeat][wave]
+        for r in range(self.repeats):
             measures = {m.name: [] for m in modes}
-            walls = {m.name: 0.0 for m in modes}
+            walls = {m.name: [] for m in modes}
             for runner in runners:
                 runner.collector.rounds.clear()
             for i, wave in enumerate(waves):
-                for runner in runners if i % 2 == 0 else runners[::-1]:
+                for runner in runners if (i + r) % 2 == 0 else runners[::-1]:
                     got, wall = runner.wave(wave)
                     measures[runner.mode.name].extend(got)
-                    walls[runner.mode.name] += wall
+                    walls[runner.mode.name].append(wall)
             for runner in runners:
                 name = runner.mode.name
-                repeats[name].append(_rates(measures[name], walls[name]) + (list(runner.collector.rounds),))
+                wave_walls[name].append(walls[name])
+                repeats[name].append(_rates(measures[name], sum(walls[name])) + (list(runner.collector.rounds),))
         out = {}
         for mode in modes:
             reps = repeats[mode.name]
             rates = [r[0] for r in reps]
-            rate, decode_rate, requests, rounds = reps[sorted(range(len(reps)), key=lambda i: rates[i])[(len(reps) - 1) // 2]]
+            _, _, requests, rounds = reps[sorted(range(len(reps)), key=lambda i: rates[i])[(len(reps) - 1) // 2]]
+            tokens = [r.output_tokens for r in requests]
+            decode_s = [[m.decode_s for m in rep[2]] for rep in reps]  # [repeat][request]
+            decode_rate = best_of([max(0, t - 1) for t in tokens], decode_s)
+            rate = best_of(tokens, wave_walls[mode.name])
             out[mode.name] = RunMeasure(prompts[0].workload, mode.name, concurrency, rate, decode_rate,
                                         tuple(rates), tuple(requests), tuple(rounds) if concurrency == 1 else ())
         return out

@@ -7,6 +7,8 @@ with concurrent requests, not how many units the autoscaler would add on two cor
 
 At concurrency N, the prompts (cycled up to max(N, #prompts)) go out in waves of N requests sent together;
 aggregate tokens/s is Σ completion tokens / Σ wave wall time, latency is each request's response time.
+`measure_levels` interleaves the waves of several concurrency levels and repeats them, and takes each wave's
+fastest repeat (`cluster.bench.harness.best_of`), so a ratio between levels does not ride on load drift.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from cluster.bench.harness import percentile
+from cluster.bench.harness import best_of, percentile
 from cluster.bench.workloads import Prompt, cycle
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,10 @@ def bench_config(config, *, name: str, fixed_gamma: int | None, port: int):
                                     else {"mode": "adaptive"})
     if fixed_gamma is not None and fixed_gamma > gamma.gamma_max:
         gamma = gamma.model_copy(update={"gamma_max": fixed_gamma})
+    from cluster.bench.drafter import bench_drafter_spec
+
     return config.model_copy(update={
-        "name": name, "gamma": gamma,
+        "name": name, "gamma": gamma, "drafter": bench_drafter_spec(config),
         "autoscaling": config.autoscaling.model_copy(update={"enabled": False, "min_replicas": 1,
                                                              "initial_replicas": 1, "max_replicas": 1}),
         "serving": config.serving.model_copy(update={"port": port, "host": "127.0.0.1"}),
@@ -171,3 +175,45 @@ def measure(app: ServedApp, prompts: list[Prompt], *, mode: str, concurrency: in
 
     tokens, latencies, wall = asyncio.run(run())
     return HttpMeasure(prompts[0].workload, mode, concurrency, tokens / wall, tuple(latencies), tokens)
+
+
+def measure_levels(app: ServedApp, prompts: list[Prompt], *, mode: str, levels: tuple[int, ...], max_tokens: int,
+                   repeats: int = 1, speculate: bool = True, warmup: int = 1) -> dict[int, HttpMeasure]:
+    """Waves at every concurrency level, interleaved (wave k of each level in turn, the order alternating) and
+    repeated; a level's tokens/s is Σ tokens / Σ each wave's least wall time over the repeats."""
+    import httpx
+
+    if not levels or min(levels) < 1:
+        raise ValueError(f"levels: must be concurrency levels >= 1, got {levels}")
+    if repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {repeats}")
+    waves = {}
+    for c in levels:
+        batch = prompts if c == 1 else cycle(prompts, max(c, len(prompts)))
+        waves[c] = [batch[i : i + c] for i in range(0, len(batch), c)]
+
+    async def run():
+        limits = httpx.Limits(max_connections=max(levels) + 4)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            for prompt in prompts[:warmup]:
+                await _complete(client, app.url, app.served_name, prompt, max_tokens, speculate)
+            walls = {c: [[] for _ in range(repeats)] for c in levels}  # [repeat][wave]
+            tokens = {c: [] for c in levels}  # per wave (greedy: the same every repeat)
+            latencies = {c: [] for c in levels}
+            for r in range(repeats):
+                for k in range(max(len(w) for w in waves.values())):
+                    for c in levels if (k + r) % 2 == 0 else levels[::-1]:
+                        if k >= len(waves[c]):
+                            continue
+                        t0 = time.perf_counter()
+                        results = await asyncio.gather(*(
+                            _complete(client, app.url, app.served_name, p, max_tokens, speculate) for p in waves[c][k]))
+                        walls[c][r].append(time.perf_counter() - t0)
+                        if r == 0:
+                            tokens[c].append(sum(n for n, _ in results))
+                        latencies[c].extend(s for _, s in results)
+            return walls, tokens, latencies
+
+    walls, tokens, latencies = asyncio.run(run())
+    return {c: HttpMeasure(prompts[0].workload, mode, c, best_of(tokens[c], walls[c]), tuple(latencies[c]),
+                           sum(tokens[c])) for c in levels}

@@ -1,9 +1,14 @@
 """What a benchmark run measures and how much of it: the `quick` and `full` presets.
 
-Sizes are chosen for the 2-core CPU this project develops on (one SmolLM2 decode step ≈ 68 ms at batch 1):
-`quick` finishes in under 5 minutes, `full` in under 50, on a quiet machine. The quality section answers a
+Sizes are chosen for the 2-core CPU this project develops on (one SmolLM2 decode step ≈ 30 ms at batch 1):
+`quick` finishes in under 6 minutes, `full` in under 50, on a quiet machine. The quality section answers a
 task suite on every arm: quick = 2 HumanEval problems capped at 96 tokens (a smoke test: too few problems for a
 quality figure), full = 8 copy-heavy rewrites on the config's arms and two narrower gates.
+
+Trust. Every ratio compares modes interleaved wave by wave, and each wave's time is its fastest repeat
+(`harness.best_of`), so `quick` runs every measurement twice: one repeat cannot tell a disturbed wave from a
+slow mode (two quick runs with one repeat moved a ratio by up to 0.3). `python -m cluster.bench.compare`
+puts two runs' summaries side by side with their spread.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ class BenchPlan(BaseModel):
 
 
 QUICK = BenchPlan(
-    name="quick", prompts=2, max_tokens=32, repeats=1, gammas=(0, 2, 4, 8),
+    name="quick", prompts=2, max_tokens=32, repeats=2, gammas=(0, 2, 4, 8),
     batched_workloads=("code",), batched_gammas=(0, 4),
     asd_settings=(ASDSetting(g=8, max_relaxed_per_block=8, budget=1000),), asd_workloads=WORKLOADS,
     hf_modes=("plain", "prompt_lookup_3", "prompt_lookup_10"),
@@ -66,7 +71,7 @@ QUICK = BenchPlan(
 
 # Full, estimated on a quiet 2-core CPU: single ≈ 12 min, batched ≈ 4, ASD ≈ 6, HF ≈ 8, HTTP ≈ 5, quality ≈ 10.
 FULL = BenchPlan(
-    name="full", prompts=4, max_tokens=64, repeats=3, gammas=(0, 1, 2, 4, 6, 8),
+    name="full", prompts=4, max_tokens=64, repeats=3, gammas=(0, 1, 2, 4, 6, 8, 16),
     batched_workloads=("code",), batched_gammas=(0, 1, 2, 4, 6, 8),
     asd_settings=(ASDSetting(g=1, max_relaxed_per_block=1, budget=4), ASDSetting(g=4, max_relaxed_per_block=4, budget=32),
                   ASDSetting(g=8, max_relaxed_per_block=8, budget=1000)),

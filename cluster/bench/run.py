@@ -35,7 +35,7 @@ STALL_RETRIES = 2  # at most this many times
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"deployment config (default {DEFAULT_CONFIG})")
-    parser.add_argument("--quick", action="store_true", help="the quick preset (< 5 min on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="the quick preset (< 6 min on 2 quiet cores)")
     parser.add_argument("--out", default=None, help="output folder (default bench-out/<preset>)")
     parser.add_argument("--resume", action="store_true", help="reuse sections stored by an earlier run of this plan")
     parser.add_argument("--skip", default="", help=f"comma-separated sections to skip: {', '.join(SECTIONS)}")
@@ -146,10 +146,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from actors.engines.native import Engine, load_model
     from actors.sources import model_info
     from cluster.bench import sections
+    from cluster.bench.drafter import bench_drafter_setup, drafter_label
     from cluster.bench.harness import InProcessBench
     from cluster.bench.workloads import load_workload
     from cluster.config import dump_config, load_config
-    from cluster.serving.decoder import unit_setup
 
     config = load_config(args.config)
     plan = make_plan(args)
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     max_slots = max(plan.batched_concurrency, target.max_batch_size, max(plan.http_concurrency))
     engine = Engine(model, max_slots=max_slots, max_seq_len=target.max_seq_len or info["max_position_embeddings"])
     drafter_cfg = config.drafter
-    drafter = make_drafter(unit_setup(config)["drafter"], max_slots=max_slots, max_seq_len=engine.max_seq_len)
+    drafter = make_drafter(bench_drafter_setup(config), max_slots=max_slots, max_seq_len=engine.max_seq_len)
     gamma = config.gamma
     policy = dict(gamma_max=max(gamma.gamma_max, *plan.gammas, *plan.batched_gammas), gamma_min=gamma.gamma_min,
                   prior_alpha=gamma.prior_alpha, draft_cost=gamma.draft_cost)
@@ -254,9 +254,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         "meta": {
             "command": "specserve bench " + " ".join(shlex.quote(a) for a in argv),
             "machine": machine(), "started": started, "elapsed_s": time.monotonic() - t0,
-            "model": target.source, "drafter": f"{drafter_cfg.kind} ({drafter_cfg.prompt_lookup_min}-"
-                                             f"{drafter_cfg.prompt_lookup_max})" if drafter_cfg.kind == "ngram"
-            else f"{drafter_cfg.kind} {drafter_cfg.source or ''}".strip(),
+            "model": target.source, "drafter": drafter_label(drafter_cfg),
             "torch": torch.__version__, "transformers": transformers.__version__, "torch_threads": TORCH_THREADS,
             "plan": plan.model_dump(mode="json"), "config": args.config, "skipped": sorted(skip),
             "reused_sections": reused,

@@ -17,7 +17,7 @@ import statistics
 from actors.requests import ArmSpec
 from cluster.experiments.audit import common_prefix_length
 from cluster.bench import speedup
-from cluster.bench.harness import ADAPTIVE, TARGET_ONLY, InProcessBench, Mode, RunMeasure, fixed
+from cluster.bench.harness import ADAPTIVE, TARGET_ONLY, InProcessBench, Mode, RunMeasure, best_of, fixed
 from cluster.bench.plan import ASDSetting, BenchPlan
 from cluster.bench.workloads import Prompt
 from policies.asd import ASDConfig
@@ -118,35 +118,40 @@ def asd(bench: InProcessBench, prompts: list[Prompt], settings: list[tuple[str, 
 
 
 def hf_peer(bench: InProcessBench, peer, prompts: list[Prompt], modes, reference: list[list[int]]) -> dict:
-    """HF modes interleaved prompt by prompt with specserve's adaptive run (the ratio's numerator)."""
+    """HF modes interleaved prompt by prompt (the order alternating) with specserve's adaptive run (the ratio's
+    numerator); each prompt's time is its fastest repeat."""
     ours = bench.runner(ADAPTIVE)
     for prompt in prompts[: bench.warmup]:
         ours.wave([prompt])
         for mode in modes:
             peer.generate(prompt, mode)
-    ours_rates, rates = [], {m: [] for m in modes}
+    names = ("specserve",) + tuple(modes)
+    walls = {m: [] for m in names}  # [repeat][prompt]
+    tokens = {m: [] for m in names}  # [prompt], from the last repeat (greedy: the same every repeat)
     outputs = {m: [] for m in modes}
-    for _ in range(bench.repeats):
-        ours_t = ours_s = 0.0
-        totals = {m: [0, 0.0] for m in modes}
-        for prompt in prompts:
-            (measure,), wall = ours.wave([prompt])
-            ours_t, ours_s = ours_t + measure.output_tokens, ours_s + wall
-            for mode in modes:
-                tokens, seconds = peer.generate(prompt, mode)
-                totals[mode][0] += len(tokens)
-                totals[mode][1] += seconds
-                outputs[mode].append(list(tokens))
-        ours_rates.append(ours_t / ours_s)
-        for mode in modes:
-            rates[mode].append(totals[mode][0] / totals[mode][1])
+    for r in range(bench.repeats):
+        for m in names:
+            walls[m].append([])
+            tokens[m] = []
+        for i, prompt in enumerate(prompts):
+            for mode in names if (i + r) % 2 == 0 else names[::-1]:
+                if mode == "specserve":
+                    (measure,), seconds = ours.wave([prompt])
+                    count = measure.output_tokens
+                else:
+                    out, seconds = peer.generate(prompt, mode)
+                    count = len(out)
+                    outputs[mode].append(list(out))
+                walls[mode][r].append(seconds)
+                tokens[mode].append(count)
     rows = {}
     for mode in modes:
         last = outputs[mode][-len(prompts):]
-        rows[mode] = {"tokens_per_s": statistics.median(rates[mode]), "repeat_tokens_per_s": rates[mode],
+        rows[mode] = {"tokens_per_s": best_of(tokens[mode], walls[mode]),
+                      "repeat_tokens_per_s": [sum(tokens[mode]) / sum(w) for w in walls[mode]],
                       "output_tokens": sum(len(t) for t in last), "identical_to_specserve": last == reference}
     lookup = [rows[m]["tokens_per_s"] for m in ("prompt_lookup_3", "prompt_lookup_10") if m in rows]
-    specserve = statistics.median(ours_rates)
+    specserve = best_of(tokens["specserve"], walls["specserve"])
     log.info("  %s: specserve adaptive %.2f, %s tok/s", prompts[0].workload, specserve,
              ", ".join(f"HF {m} {r['tokens_per_s']:.2f}" for m, r in rows.items()))
     return {"workload": prompts[0].workload, "modes": rows, "specserve_adaptive_tokens_per_s": specserve,
@@ -157,7 +162,7 @@ def http(bench: InProcessBench, config, prompts: list[Prompt], plan: BenchPlan, 
          port: int) -> dict:
     """The concurrency sweep through the Serve app (see cluster.bench.http_bench), and single-stream HTTP vs
     the in-process loop (adaptive γ), interleaved request by request."""
-    from cluster.bench.http_bench import ServedApp, bench_config, complete_sync, measure
+    from cluster.bench.http_bench import ServedApp, bench_config, complete_sync, measure_levels
 
     deployments = []  # (fixed γ of the deployment or None, policies served by it)
     if "adaptive" in plan.http_modes or "target_only" in plan.http_modes:
@@ -173,10 +178,11 @@ def http(bench: InProcessBench, config, prompts: list[Prompt], plan: BenchPlan, 
             if gamma is None and "adaptive" in modes:
                 versus = _http_vs_inprocess(bench, app, prompts, plan.max_tokens, complete_sync)
             for mode in modes:
-                for concurrency in plan.http_concurrency:
-                    label = f"fixed_{gamma}" if mode == "best_fixed" else mode
-                    m = measure(app, prompts, mode=label, concurrency=concurrency, max_tokens=plan.max_tokens,
-                                speculate=mode != "target_only", warmup=1 if concurrency == plan.http_concurrency[0] else 0)
+                label = f"fixed_{gamma}" if mode == "best_fixed" else mode
+                levels = measure_levels(app, prompts, mode=label, levels=plan.http_concurrency,
+                                        max_tokens=plan.max_tokens, repeats=bench.repeats,
+                                        speculate=mode != "target_only")
+                for concurrency, m in levels.items():
                     log.info("  http %s c=%d: %.2f tok/s, p50 %.2fs", label, concurrency, m.tokens_per_s,
                              m.summary()["latency_p50_s"])
                     rows.append({**m.summary(), "policy": mode})
@@ -185,24 +191,31 @@ def http(bench: InProcessBench, config, prompts: list[Prompt], plan: BenchPlan, 
 
 
 def _http_vs_inprocess(bench: InProcessBench, app, prompts: list[Prompt], max_tokens: int, complete_sync) -> dict:
-    """Single stream, adaptive γ: each prompt in-process then over HTTP (both warmed up first), `repeats` times."""
+    """Single stream, adaptive γ: each prompt in-process and over HTTP (both warmed up first, the order
+    alternating), `repeats` times; each prompt's time is its fastest repeat."""
     ours = bench.runner(ADAPTIVE)
     for prompt in prompts[: bench.warmup]:
         ours.wave([prompt])
         complete_sync(app, prompt, max_tokens)
-    local_rates, http_rates = [], []
-    for _ in range(bench.repeats):
-        local, remote = [0, 0.0], [0, 0.0]
-        for prompt in prompts:
-            (measure,), wall = ours.wave([prompt])
-            local[0] += measure.output_tokens
-            local[1] += wall
-            tokens, seconds = complete_sync(app, prompt, max_tokens)
-            remote[0] += tokens
-            remote[1] += seconds
-        local_rates.append(local[0] / local[1])
-        http_rates.append(remote[0] / remote[1])
-    out = {"inprocess_tokens_per_s": statistics.median(local_rates), "http_tokens_per_s": statistics.median(http_rates)}
+    walls = {"local": [], "http": []}  # [repeat][prompt]
+    tokens = {"local": [], "http": []}
+    for r in range(bench.repeats):
+        for path in walls:
+            walls[path].append([])
+            tokens[path] = []
+        for i, prompt in enumerate(prompts):
+            for path in ("local", "http") if (i + r) % 2 == 0 else ("http", "local"):
+                if path == "local":
+                    (measure,), seconds = ours.wave([prompt])
+                    count = measure.output_tokens
+                else:
+                    count, seconds = complete_sync(app, prompt, max_tokens)
+                walls[path][r].append(seconds)
+                tokens[path].append(count)
+    out = {"inprocess_tokens_per_s": best_of(tokens["local"], walls["local"]),
+           "http_tokens_per_s": best_of(tokens["http"], walls["http"]),
+           "repeat_ratios": [sum(tokens["http"]) / sum(h) / (sum(tokens["local"]) / sum(lo))
+                             for h, lo in zip(walls["http"], walls["local"])]}
     out["ratio"] = out["http_tokens_per_s"] / out["inprocess_tokens_per_s"]
     log.info("  http vs in-process, single stream: %.2f vs %.2f tok/s", out["http_tokens_per_s"],
              out["inprocess_tokens_per_s"])

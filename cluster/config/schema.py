@@ -66,23 +66,40 @@ class ModelSpec(_Strict):
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = Field(
         "STRICT_PACK", description="Placement group strategy of the shards; STRICT_PACK keeps them on one node."
     )
+    process: Literal["auto", "replica", "actor"] = Field(
+        "auto", description="Where a target with tensor_parallel_size 1 runs: 'replica', in the unit's own "
+        "Serve replica process (no actor call per round; the replica reserves `resources` and holds the model), "
+        "or 'actor', in a shard actor like a tensor-parallel target. 'auto': replica for size 1, actors otherwise.")
 
     @model_validator(mode="after")
     def _gpu_needs_gpus(self) -> ModelSpec:
         if self.device == "cuda" and self.resources.num_gpus <= 0:
             raise ValueError("resources.num_gpus must be > 0 when device is 'cuda'")
+        if self.process == "replica" and self.tensor_parallel_size != 1:
+            raise ValueError("process 'replica' needs tensor_parallel_size 1 (shards are actors)")
         return self
+
+    @property
+    def in_replica(self) -> bool:
+        """The target runs in the unit's replica process (see `process`)."""
+        return self.process == "replica" or (self.process == "auto" and self.tensor_parallel_size == 1)
 
 
 class DrafterSpec(_Strict):
-    """The drafter: prompt-lookup n-grams, a small model, or none (plain decoding)."""
+    """The drafter: prompt-lookup n-grams, suffix matching with confidences, a small model, or none (plain)."""
 
-    kind: Literal["ngram", "model", "none"] = Field("ngram", description="How draft tokens are proposed.")
+    kind: Literal["ngram", "suffix", "model", "none"] = Field("ngram", description="How draft tokens are proposed.")
     source: str | None = Field(
         None, min_length=1, description="Drafter model (same forms as target.source); only for kind 'model'."
     )
     prompt_lookup_min: int = Field(1, ge=1, le=16, description="Shortest n-gram matched in the context (ngram).")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="Longest n-gram matched in the context (ngram).")
+    suffix_max_depth: int = Field(32, ge=1, le=256, description="Longest context suffix matched (suffix).")
+    suffix_min_confidence: float = Field(
+        0.4, ge=0, le=1, description="A draft stops before the first token whose confidence, the estimated "
+        "probability that it and every draft token before it are accepted, is below this (suffix).")
+    suffix_cache_tokens: int = Field(
+        65536, ge=0, description="Tokens of recent outputs a unit keeps to draft from (suffix); 0 turns it off.")
     dtype: Dtype = Field("float32", description="Drafter model dtype (kind 'model').")
     device: Device = Field("cpu", description="Where the drafter runs.")
     resources: ActorResources = Field(
@@ -97,6 +114,8 @@ class DrafterSpec(_Strict):
             raise ValueError(f"source is only used when kind is 'model', not {self.kind!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        if 0 < self.suffix_cache_tokens < 64:
+            raise ValueError("suffix_cache_tokens must be 0 (off) or >= 64")
         if self.device == "cuda" and self.resources.num_gpus <= 0:
             raise ValueError("resources.num_gpus must be > 0 when device is 'cuda'")
         return self

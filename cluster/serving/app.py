@@ -44,7 +44,7 @@ def decoder_options(config: SpecServeConfig) -> dict[str, Any]:
         max_ongoing_requests=config.serving.max_ongoing_requests,
         max_queued_requests=config.serving.max_queued_requests,
         graceful_shutdown_timeout_s=scaling.graceful_shutdown_timeout_s,
-        ray_actor_options={"num_cpus": config.unit.num_cpus},
+        ray_actor_options=replica_resources(config),
         # Loading a model (and, on first use, converting the embedded GGUF) takes a while.
         health_check_timeout_s=120,
     )
@@ -52,6 +52,17 @@ def decoder_options(config: SpecServeConfig) -> dict[str, Any]:
         options["autoscaling_config"] = scaling.to_serve()
     else:
         options["num_replicas"] = scaling.fixed_replicas
+    return options
+
+
+def replica_resources(config: SpecServeConfig) -> dict[str, float]:
+    """Ray resources of one decoder replica: the coordinator's, plus the target's when it runs in the replica."""
+    target = config.target
+    if not target.in_replica:
+        return {"num_cpus": config.unit.num_cpus}
+    options = {"num_cpus": config.unit.num_cpus + target.resources.num_cpus}
+    if target.resources.num_gpus:
+        options["num_gpus"] = target.resources.num_gpus
     return options
 
 

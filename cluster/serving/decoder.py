@@ -93,11 +93,13 @@ def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
             max_slots=target.max_batch_size, max_seq_len=target.max_seq_len,
             prefill_chunk_tokens=target.prefill_chunk_tokens,
             resources=target.resources.model_dump(), placement_strategy=target.placement_strategy,
+            in_replica=target.in_replica,
         ),
         drafter=DrafterSetup(
             kind=drafter.kind, source=drafter.source, dtype=drafter.dtype, device=drafter.device,
             prompt_lookup_min=drafter.prompt_lookup_min, prompt_lookup_max=drafter.prompt_lookup_max,
-            resources=drafter.resources.model_dump(),
+            suffix_max_depth=drafter.suffix_max_depth, suffix_min_confidence=drafter.suffix_min_confidence,
+            suffix_cache_tokens=drafter.suffix_cache_tokens, resources=drafter.resources.model_dump(),
         ),
         torch_threads=config.unit.torch_threads,
     )
