@@ -1,6 +1,7 @@
 """Where completions come from: a running specserve service over HTTP, or a unit built in this process.
 
-An `EvalBackend` answers one `CompletionRequest` (a suite's prompt, forced onto one arm, greedy) with a
+An `EvalBackend` answers one `CompletionRequest` (a suite's prompt, forced onto one arm, greedy unless
+the prompt carries a temperature and seed) with a
 `Completion`: the text, the output token count, the wall-clock seconds of the request and the
 `usage.speculative` object (arm, rounds, draft/accepted tokens, acceptance rate, regret on ASD arms).
 
@@ -135,8 +136,10 @@ class HTTPBackend:
 
     def complete(self, request: CompletionRequest) -> Completion:
         openai, prompt = self._openai, request.prompt
-        kwargs: dict[str, Any] = dict(model=self.model, max_tokens=prompt.max_tokens, temperature=0.0,
-                                      extra_headers={ARM_HEADER: request.arm})
+        kwargs: dict[str, Any] = dict(model=self.model, max_tokens=prompt.max_tokens,
+                                      temperature=prompt.temperature, extra_headers={ARM_HEADER: request.arm})
+        if prompt.seed is not None:
+            kwargs["seed"] = prompt.seed
         if prompt.stop:
             kwargs["stop"] = list(prompt.stop)
         start = time.perf_counter()
@@ -218,8 +221,8 @@ def _build_project_unit(config: Any) -> _ProjectUnit:
                                             limit=config.serving.max_tokens_limit, max_seq_len=max_seq_len)
         except (APIError, ValueError) as err:
             raise BackendError(f"request rejected: {err}") from None
-        job = DecodeJob(f"eval-{uuid.uuid4().hex[:12]}", tuple(ids), SamplingParams(max_tokens=max_tokens), spec,
-                        stop=prompt.stop)
+        params = SamplingParams(max_tokens=max_tokens, temperature=prompt.temperature, seed=prompt.seed)
+        job = DecodeJob(f"eval-{uuid.uuid4().hex[:12]}", tuple(ids), params, spec, stop=prompt.stop)
         parts, finished = [], None
         async for event in decode_events(coordinator, job, decode, "eval"):
             parts.append(event.text)

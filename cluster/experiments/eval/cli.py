@@ -42,6 +42,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--reference", help="arm the others are compared with (default: the first of --arms)")
     parser.add_argument("--limit", type=int, help="only the suite's first N problems")
     parser.add_argument("--max-tokens", type=int, help="override the suite's max_tokens per answer")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (default 0: greedy); each problem gets one seed, the "
+                        "same on every arm, so the arms' draws are paired")
     parser.add_argument("--out", type=Path, help=f"output directory (default: {DEFAULT_OUT}/SUITE)")
     parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES, help="bootstrap resamples")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
@@ -120,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
             reference = reference or arms[0]
         if reference not in arms:
             raise ValueError(f"reference: {reference!r} is not one of --arms {arms}")
-        info = run_suite(suite, backend, arms, out_dir, limit=args.limit, max_tokens=args.max_tokens, progress=_say)
+        info = run_suite(suite, backend, arms, out_dir, limit=args.limit, max_tokens=args.max_tokens,
+                         temperature=args.temperature, progress=_say)
     except BackendUnavailable as err:
         _say(f"specserve eval: {err}")
         return 2

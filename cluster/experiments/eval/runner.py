@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,17 +74,22 @@ def read_run_info(out_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _prepare_out_dir(out_dir: Path, suite: Suite, arms: Sequence[str], backend: EvalBackend) -> dict:
-    """Create or extend `run.json`; a directory holding another suite's run is refused."""
+def _prepare_out_dir(out_dir: Path, suite: Suite, arms: Sequence[str], backend: EvalBackend,
+                     temperature: float = 0.0) -> dict:
+    """Create or extend `run.json`; a directory holding another suite's run, or one at another temperature, is
+    refused."""
     out_dir.mkdir(parents=True, exist_ok=True)
     info = read_run_info(out_dir)
     if info is not None and info.get("suite") != suite.name:
         raise ValueError(f"out: {out_dir} holds a run of suite {info.get('suite')!r}, not {suite.name!r}; "
                          f"choose another --out")
+    if info is not None and info.get("temperature", 0.0) != temperature:
+        raise ValueError(f"temperature: {out_dir} holds a run at temperature {info.get('temperature', 0.0)}, "
+                         f"not {temperature}; choose another --out")
     settings = backend.arm_settings()
     if info is None:
         info = {"schema": RUN_SCHEMA, "suite": suite.name, "binary": bool(suite.binary), "arms": [],
-                "arm_settings": {}, "backends": [], "started": time.time()}
+                "arm_settings": {}, "backends": [], "started": time.time(), "temperature": temperature}
     info["arms"] = list(dict.fromkeys([*info["arms"], *arms]))
     info["arm_settings"].update({a: settings[a] for a in arms if settings and a in settings})
     if backend.description not in info["backends"]:
@@ -119,9 +125,12 @@ def _progress_line(done: int, total: int, row: dict, elapsed: float, remaining: 
     return f"[{done}/{total}] {row['arm']:<12} {row['problem']:<18} {outcome}  ({_fmt_duration(elapsed)}{eta})"
 
 
-def _answer(suite: Suite, backend: EvalBackend, problem: Problem, arm: str, max_tokens: int | None) -> dict:
+def _answer(suite: Suite, backend: EvalBackend, problem: Problem, arm: str, max_tokens: int | None,
+            temperature: float = 0.0) -> dict:
     """One (arm, problem) row: the request, then its score. BackendError propagates."""
     prompt = with_max_tokens(suite.prompt(problem), max_tokens)
+    if temperature:  # one seed per problem, the same on every arm: the arms' draws are paired
+        prompt = replace(prompt, temperature=temperature, seed=zlib.crc32(problem.id.encode()))
     completion = backend.complete(CompletionRequest(prompt, arm))
     row: dict[str, Any] = {
         "suite": suite.name, "problem": problem.id, "arm": arm, "completion": completion.text,
@@ -138,7 +147,7 @@ def _answer(suite: Suite, backend: EvalBackend, problem: Problem, arm: str, max_
 
 
 def run_suite(suite: Suite, backend: EvalBackend, arms: Sequence[str], out_dir: Path | str, *,
-              limit: int | None = None, max_tokens: int | None = None,
+              limit: int | None = None, max_tokens: int | None = None, temperature: float = 0.0,
               progress: Callable[[str], None] | None = None, max_consecutive_errors: int = 3) -> RunInfo:
     """Answer the suite's first `limit` problems on every arm, appending rows to `out_dir/rows.jsonl`.
 
@@ -152,12 +161,14 @@ def run_suite(suite: Suite, backend: EvalBackend, arms: Sequence[str], out_dir: 
         raise ValueError(f"limit: must be >= 1, got {limit}")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+    if not 0 <= temperature <= 2:
+        raise ValueError(f"temperature: must be in [0, 2], got {temperature}")
     out_dir = Path(out_dir)
     problems = list(suite.problems())[:limit]
     if not problems:
         raise ValueError(f"suite {suite.name!r} has no problems")
     backend.check_arms(arms)
-    _prepare_out_dir(out_dir, suite, arms, backend)
+    _prepare_out_dir(out_dir, suite, arms, backend, temperature)
     done = {(r["arm"], r["problem"]) for r in read_rows(out_dir) if not r.get("error")}
     todo = [(p, arm) for i, p in enumerate(problems) for arm in arms[i % len(arms):] + arms[: i % len(arms)]
             if (arm, p.id) not in done]
@@ -172,7 +183,7 @@ def run_suite(suite: Suite, backend: EvalBackend, arms: Sequence[str], out_dir: 
     with open(out_dir / ROWS_FILE, "a", encoding="utf-8") as sink:
         for problem, arm in todo:
             try:
-                row = _answer(suite, backend, problem, arm, max_tokens)
+                row = _answer(suite, backend, problem, arm, max_tokens, temperature)
             except BackendUnavailable:
                 raise
             except BackendError as err:

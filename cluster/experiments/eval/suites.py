@@ -41,13 +41,16 @@ class Problem:
 class EvalPrompt:
     """One request: chat `messages` ([{"role", "content"}, ...]) or a plain completion `prompt`, exactly one.
 
-    Requests are greedy (temperature 0) so that arms differ only by their verification.
+    Requests are greedy (temperature 0) so that arms differ only by their verification; `specserve eval
+    --temperature T` samples instead, with one `seed` per problem shared by every arm (paired draws).
     """
 
     messages: tuple[Mapping[str, str], ...] | None = None
     prompt: str | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    temperature: float = 0.0
+    seed: int | None = None
 
     def __post_init__(self):
         if (self.messages is None) == (self.prompt is None):
@@ -56,6 +59,8 @@ class EvalPrompt:
             raise ValueError("messages: must not be empty")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.temperature <= 2:
+            raise ValueError(f"temperature: must be in [0, 2], got {self.temperature}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings, got {list(self.stop)}")
 

@@ -151,3 +151,23 @@ def test_an_output_directory_of_another_suite_is_refused(tmp_path):
         run_suite(other, ScriptedBackend(answers), ["exact"], tmp_path, limit=1)
     info = json.loads((tmp_path / "run.json").read_text())
     assert info["suite"] == "humaneval" and info["arm_settings"]["exact"]["verification"] == "exact"
+
+
+def test_sampled_runs_pair_the_arms_seeds_and_keep_one_temperature_per_directory(tmp_path):
+    answers = {"exact": [canonical(i) for i in range(4)], "asd": [canonical(i) for i in range(4)]}
+    backend = ScriptedBackend(answers)
+    seen = []
+    complete = backend.complete
+    backend.complete = lambda request: seen.append(request.prompt) or complete(request)
+    run_suite(SUITE, backend, ["exact", "asd"], tmp_path, limit=2, temperature=0.7)
+    assert all(p.temperature == 0.7 for p in seen)
+    seeds = {}
+    for prompt in seen:  # one seed per problem, the same on both arms; problems get different seeds
+        seeds.setdefault(prompt.prompt, set()).add(prompt.seed)
+    assert all(len(s) == 1 and None not in s for s in seeds.values()) and len(seeds) == 2
+    assert len({next(iter(s)) for s in seeds.values()}) == 2
+    assert json.loads((tmp_path / "run.json").read_text())["temperature"] == 0.7
+    with pytest.raises(ValueError, match="temperature"):
+        run_suite(SUITE, ScriptedBackend(answers), ["exact"], tmp_path, limit=2)
+    with pytest.raises(ValueError, match="temperature"):
+        run_suite(SUITE, ScriptedBackend(answers), ["exact"], tmp_path / "other", temperature=3.0)
