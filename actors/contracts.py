@@ -100,18 +100,6 @@ class DraftBatch:
         return tuple(self.confidence[b, :k].tolist()), int(self.match_lens[b])
 
 
-    def scatter(self, rows: Sequence[int], batch_size: int) -> DraftBatch:
-        """This batch's row j as row `rows[j]` of a batch of `batch_size` (the other rows draft nothing)."""
-        index = torch.as_tensor(list(rows), dtype=torch.long)  # [A]
-        ids = torch.full((batch_size, self.draft_ids.shape[1]), PAD_TOKEN_ID, dtype=torch.long)  # [B, Kmax]
-        lens = torch.zeros(batch_size, dtype=torch.long)  # [B]
-        ids[index], lens[index] = self.draft_ids, self.draft_lens
-        probs = None
-        if self.draft_probs is not None:
-            probs = self.draft_probs.new_zeros(batch_size, *self.draft_probs.shape[1:])  # [B, Kmax, V]
-            probs[index] = self.draft_probs
-        return DraftBatch(ids, lens, probs)
-
 
 class Drafter(Protocol):
     """A synchronous, torch-only drafter. `free_drafts`: proposing costs ~nothing (prompt lookup), so the

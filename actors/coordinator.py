@@ -27,7 +27,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-import torch
 
 from actors.contracts import (ASDBatch, DraftBatch, DraftRequest, DrafterBackend, Engine, LedgersLost, PolicyBackend,
                               PolicyUnavailable, RoundReport, RowKey, TargetBackend, TargetBatch, TargetResult)
@@ -36,7 +35,6 @@ from actors.requests import EXACT, ArmSpec, GenerationChunk, GenerationRequest, 
 from actors.scheduler import RowOutcome, Scheduler, SequenceState
 from actors.stats import LoopObserver, NullObserver, RoundRecord, RowRecord
 from actors.verification import asd_batches, asd_outcomes, exact_outcomes, relaxed_sampled
-from policies import PAD_TOKEN_ID
 
 log = logging.getLogger(__name__)
 

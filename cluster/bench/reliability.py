@@ -145,7 +145,9 @@ def run_faults(app: str, url: str, model: str, prompts: list[tuple[int, ...]], *
 
 def fault_config(config, *, drafter_source: str, concurrency: int, timeout_s: float) -> dict:
     """The dumped config the fault load runs against: a model drafter in its own actor (one of the faults),
-    drafting every round (γ fixed at 2), one unit, room for `concurrency` requests, no audit."""
+    drafting every round (γ fixed at 2), the target in its own actor (`target.process: actor`: with a TP = 1
+    target in the replica, the default, a target fault is a replica fault, measured on its own), one unit,
+    room for `concurrency` requests, no audit."""
     from cluster.config import SpecServeConfig, dump_config, parse_config
 
     out = dump_config(config if isinstance(config, SpecServeConfig) else parse_config(config))  # every field
@@ -155,6 +157,7 @@ def fault_config(config, *, drafter_source: str, concurrency: int, timeout_s: fl
                        resources={"num_cpus": 0.25, "num_gpus": drafter["resources"]["num_gpus"]})
     out["gamma"].update(mode="fixed", fixed=2, gamma_min=0, gamma_max=max(2, out["gamma"]["gamma_max"]))
     out["target"]["max_batch_size"] = max(out["target"]["max_batch_size"], concurrency)
+    out["target"]["process"] = "actor"
     out["serving"].update(request_timeout_s=timeout_s,
                           max_ongoing_requests=max(out["serving"]["max_ongoing_requests"], concurrency),
                           max_queued_requests=max(out["serving"]["max_queued_requests"], 2 * concurrency))
