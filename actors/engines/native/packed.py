@@ -17,6 +17,8 @@ CPU has native bf16 dot products (AVX512-BF16 or AMX-BF16). Terms:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -28,6 +30,7 @@ QUERY_ROWS = 1024  # invariant_attention scores at most this many query rows at 
 PACK_BATCH_HINT = 2  # the row count oneDNN's weight layout is chosen for (decode: 1, run as 2)
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), read from /proc/cpuinfo.
 
