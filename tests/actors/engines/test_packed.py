@@ -49,12 +49,13 @@ def one_thread():
 def test_engine_packs_bf16_by_default_and_parity_with_the_plain_forward(window):
     plain, packed = tiny(window=window), tiny(window=window)
     ids = prompt(1, 40)
-    a = Engine(plain, packed=False).forward(["s"], [ids]).float()  # [1, 40, V]
-    b = Engine(packed).forward(["s"], [ids])
-    assert packed.packed and not plain.packed and b.dtype == torch.float32
+    a = Engine(plain, packed=False).forward(["s"], [ids])  # [1, 40, V]
+    b = Engine(packed).forward(["s"], [ids])  # [1, 40, V]
+    assert packed.packed and not plain.packed and b.dtype == torch.bfloat16
     # fp32 residual, RoPE and softmax vs bf16 ones: differences of a few bf16 ulps (2^-8) per op
-    assert (a - b).abs().max() <= 0.05 * a.abs().max()
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    a, b = a.float(), b.float()
+    assert (a - b).abs().max() <= 0.02 * a.abs().max()  # observed 0.7%
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
 
 
 @pytest.mark.parametrize("seed", SEEDS)
