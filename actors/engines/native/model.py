@@ -23,7 +23,7 @@ Terms:
   the lm_head run as oneDNN `PackedLinear`s, attention as `invariant_attention` (actors.engines.native.packed);
   the residual stream, norms, RoPE and SiLU stay in float32 and only GEMM inputs are rounded to bf16. The
   forward is then batch-invariant (a row's logits are bitwise the same whatever else is in the batch), which
-  keeps speculative greedy decoding identical to target-only greedy decoding in bf16.
+  keeps speculative greedy decoding identical to target-only greedy decoding in bf16. Logits are float32.
 """
 
 from __future__ import annotations
@@ -331,7 +331,9 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, cache, batch)
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, hidden]
-        return self.lm_head(self.norm(x))  # [B, K, V] in the weight dtype (packed too)
+        logits = self.lm_head(self.norm(x))  # [B, K, V]
+        # packed: float32 logits, as argmax over a bf16 row is ~5x slower on CPU than the copy plus an fp32 argmax
+        return logits.float() if self.packed else logits
 
 
 def strip_prefix(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
