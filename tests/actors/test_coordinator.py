@@ -9,6 +9,7 @@ from actors.coordinator import ArmSpec, Coordinator, GenerationRequest, Sampling
 from actors.drafting import ModelDrafter, NgramDrafter
 from actors.engines.native.engine import Engine
 from actors.engines.native import load_model
+from actors.engines.native.packed import can_pack
 from actors.policy import PolicyCore
 from policies.asd import ASDConfig
 
@@ -63,6 +64,28 @@ def test_model_drafter_greedy_identical_to_target_only(tiny, reference):
     assert [o.token_ids for o in outs] == reference
     assert all(o.record.draft_tokens > 0 for o in outs)
     assert drafter.active_ids() == []
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
+                    reason="this CPU lacks native bf16 (AVX512-BF16 or AMX-BF16): bf16 runs emulated and unpacked, "
+                           "and speculative bf16 output is not promised to equal target-only")
+def test_bf16_greedy_identical_to_bf16_target_only(tiny_llama_pair):
+    """bf16 on the packed, batch-invariant CPU path: speculation (batched, ragged) equals bf16 target-only.
+
+    This tiny model is too small to separate the packed path from the plain one (both pass here); the bitwise
+    tests in tests/actors/engines/test_packed.py do, and scripts/bf16_check.py measures it on SmolLM2."""
+    target, drafter = (load_model(d, "bfloat16")[0] for d in tiny_llama_pair)
+    coord = unit(target, NgramDrafter(1, 3))
+    assert coord.target.engine.model.packed
+    reference = [coord.generate_sync(greedy(f"ref{i}", p, speculate=False)).token_ids for i, p in enumerate(PROMPTS)]
+    for fixed in (None, 4):
+        outs = unit(target, NgramDrafter(1, 3), fixed=fixed).generate_many_sync(
+            [greedy(f"r{i}", p) for i, p in enumerate(PROMPTS)])
+        assert [o.token_ids for o in outs] == reference
+    model_drafter = ModelDrafter(Engine(drafter, max_slots=16, max_seq_len=256))
+    outs = unit(target, model_drafter, fixed=3).generate_many_sync([greedy(f"m{i}", p) for i, p in enumerate(PROMPTS)])
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.record.draft_tokens > 0 for o in outs)
 
 
 def test_asd_budget_zero_is_exact_and_budget_is_respected(tiny, reference):

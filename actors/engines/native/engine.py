@@ -27,6 +27,7 @@ from actors.devices import to_device
 from actors.engines.native.graphs import StaticForward, batch_bucket
 from actors.engines.native.kv_cache import CacheBatch, SlotCache, aligned
 from actors.engines.native.model import CausalLM
+from actors.engines.native.packed import can_pack
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,17 @@ class Engine:
     whole KV cache up front (default: on CUDA, and always with graphs). By default a cache that would take
     over MEMORY_SHARE of the free device memory grows on demand instead (without graphs); asked for
     explicitly, it is a ValueError. The Engine fuses its model's projections (`CausalLM.fuse_projections`).
+    packed: run the packed, batch-invariant CPU forward (`CausalLM.pack_for_cpu`; default: for bf16 weights on
+    a CPU with native bf16, where it is also the fast path); True where that is impossible is a ValueError.
     """
 
     def __init__(self, model: CausalLM, max_slots: int = 64, max_seq_len: int | None = None, *,
-                 graphs: bool | None = None, preallocate: bool | None = None, max_graph_tokens: int = 16):
+                 graphs: bool | None = None, preallocate: bool | None = None, max_graph_tokens: int = 16,
+                 packed: bool | None = None):
         if max_slots < 1:
             raise ValueError(f"max_slots: must be >= 1, got {max_slots}")
         self.model = model.fuse_projections()
+        self._pack(packed)
         self.max_slots = max_slots
         self.max_seq_len = max_seq_len or model.args.max_position_embeddings
         if self.max_seq_len < 1:
@@ -181,6 +186,19 @@ class Engine:
                                  self.cache.junk, self.model.dtype, self._group, self._windows)
         logits = self.model(ids, self.cache, batch, index)  # [B, K or T, V] in slot order
         return logits if order == sorted(order) else logits[inverse_d]
+
+    def _pack(self, packed: bool | None) -> None:
+        model = self.model
+        possible = can_pack(model.device, model.dtype) and model.args.tp_size == 1
+        if packed and not possible and not model.packed:
+            raise ValueError(f"packed: needs bfloat16 weights on a CPU with AVX512-BF16 or AMX-BF16 and no tensor "
+                             f"parallelism, got {model.dtype} on {model.device}, tp_size {model.args.tp_size}")
+        if possible and packed is not False:
+            model.pack_for_cpu()
+        elif model.device.type == "cpu" and model.dtype == torch.bfloat16 and not model.packed and packed is None:
+            log.warning("bfloat16 on this CPU runs emulated or unpacked (no AVX512-BF16/AMX-BF16, or tensor "
+                        "parallel): slow, and not batch-invariant, so speculative output may differ from "
+                        "target-only; float32 keeps greedy identity")
 
     def _fits(self, slots: int, capacity: int, required: bool) -> bool:
         """Whether a preallocated cache fits in MEMORY_SHARE of the device's free memory; ValueError if not

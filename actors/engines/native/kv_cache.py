@@ -118,8 +118,8 @@ class SlotCache:
     def write(self, layer: int, batch: CacheBatch, k: Tensor, v: Tensor) -> None:
         """Store new keys/values k, v [B, T, Hkv, D] at the batch's write positions."""
         index = (batch.slots[:, None], slice(None), batch.write_positions)  # -> [B, T, Hkv, D]
-        self.k[layer][index] = k
-        self.v[layer][index] = v
+        self.k[layer][index] = k.to(self.dtype)  # packed models compute k in fp32 (RoPE), v in bf16
+        self.v[layer][index] = v.to(self.dtype)
 
     @torch.inference_mode()  # a cache grown inside a forward holds inference tensors
     def move(self, src: int, dst: int, length: int) -> None:

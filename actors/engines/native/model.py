@@ -19,6 +19,11 @@ Terms:
 - **grouped-query attention**: the G query heads that share a kv head are laid out as G·T query rows of that
   head (`Attention.forward`), so fused attention kernels that refuse GQA with a mask still apply and keys are
   never repeated. The mask is an additive bias computed once per forward (`CacheBatch.biases`).
+- **packed** (bf16 on a CPU with native bf16; `pack_for_cpu`, called by the Engine): the four projections and
+  the lm_head run as oneDNN `PackedLinear`s, attention as `invariant_attention` (actors.engines.native.packed);
+  the residual stream, norms, RoPE and SiLU stay in float32 and only GEMM inputs are rounded to bf16. The
+  forward is then batch-invariant (a row's logits are bitwise the same whatever else is in the batch), which
+  keeps speculative greedy decoding identical to target-only greedy decoding in bf16. Logits are float32.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from actors.engines.native.kv_cache import CacheBatch, SlotCache
+from actors.engines.native.packed import PackedLinear, invariant_attention
 
 # RoPE variants whose frequencies do not depend on the running sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -152,6 +158,10 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def silu_mul_fp32(gate_up: Tensor) -> Tensor:
+    return silu_mul(gate_up.float())  # the packed path: bf16 pointwise kernels are slower than fp32 ones on CPU
+
+
 def fuse_linear(*linears: nn.Linear) -> nn.Linear:
     """One Linear whose output is the given Linears' outputs concatenated (weights and biases stacked)."""
     first = linears[0].weight
@@ -186,6 +196,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.rope_fn = apply_rope
+        self.attention_fn = F.scaled_dot_product_attention  # pack_for_cpu swaps in invariant_attention
 
     def fuse(self) -> None:
         if hasattr(self, "q_proj"):
@@ -204,7 +215,7 @@ class Attention(nn.Module):
         keys, values = cache.read(self.layer, batch)  # [B, Hkv, S, D] each
         g = h // kv
         q = q.view(B, T, kv, g, d).permute(0, 2, 3, 1, 4).reshape(B, kv, g * T, d)  # [B, Hkv, G*T, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.biases[self.window])  # [B, Hkv, G*T, D]
+        out = self.attention_fn(q, keys, values, attn_mask=batch.biases[self.window])  # [B, Hkv, G*T, D]
         out = out.view(B, kv, g, T, d).permute(0, 3, 1, 2, 4).reshape(B, T, h * d)  # [B, T, Hq*D]
         return all_reduce(self.o_proj(out), self.args, self.tp_group)  # [B, T, hidden]
 
@@ -261,12 +272,30 @@ class CausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [D/2]
+        self.packed = False  # see `pack_for_cpu`
 
     def fuse_projections(self) -> CausalLM:
         """Concatenate q/k/v and gate/up weights (see the module docstring); idempotent, returns self."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        return self
+
+    def pack_for_cpu(self) -> CausalLM:
+        """Switch to the packed, batch-invariant forward (see the module docstring); idempotent, returns self.
+
+        For bf16 weights on a CPU with native bf16 (`packed.can_pack`); inference only. The projections' plain
+        weights are dropped for their packed copies; the lm_head gets a packed copy beside the embedding."""
+        if self.packed:
+            return self
+        self.fuse_projections()
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = PackedLinear(attn.qkv_proj), PackedLinear(attn.o_proj)
+            mlp.gate_up_proj, mlp.down_proj = PackedLinear(mlp.gate_up_proj), PackedLinear(mlp.down_proj)
+            attn.attention_fn, mlp.act_fn = invariant_attention, silu_mul_fp32
+        self.lm_head = PackedLinear(self.lm_head)
+        self.packed = True
         return self
 
     @property
@@ -278,11 +307,12 @@ class CausalLM(nn.Module):
         return self.embed_tokens.weight.device
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [B, T, 1, D] for integer positions [B, T]."""
+        """cos, sin [B, T, 1, D] for integer positions [B, T] (float32 when packed: RoPE runs in fp32)."""
+        dtype = torch.float32 if self.packed else self.dtype
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-        cos = (emb.cos() * self.rope_scale).to(self.dtype)
-        sin = (emb.sin() * self.rope_scale).to(self.dtype)
+        cos = (emb.cos() * self.rope_scale).to(dtype)
+        sin = (emb.sin() * self.rope_scale).to(dtype)
         return cos[:, :, None, :], sin[:, :, None, :]
 
     @torch.inference_mode()
@@ -294,12 +324,16 @@ class CausalLM(nn.Module):
         Returns [B, K, V] (or [B, T, V] when logit_index is None).
         """
         x = self.embed_tokens(tokens)  # [B, T, hidden]
+        if self.packed:
+            x = x.float()  # the residual stream stays fp32; bf16 GEMM outputs are added to it
         cos, sin = self.rope(batch.positions)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, batch)
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, hidden]
-        return self.lm_head(self.norm(x))  # [B, K, V]
+        logits = self.lm_head(self.norm(x))  # [B, K, V]
+        # packed: float32 logits, as argmax over a bf16 row is ~5x slower on CPU than the copy plus an fp32 argmax
+        return logits.float() if self.packed else logits
 
 
 def strip_prefix(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
