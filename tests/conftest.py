@@ -17,6 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+# Repetitive token prompts, so that prompt lookup finds drafts and some of them are accepted.
+REPETITIVE_PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [100, 200, 300, 100, 200],
+    [9, 9, 9, 9, 9, 9],
+    [1000, 2000, 3000, 4000, 1000, 2000, 3000],
+    [42, 43, 44, 45, 46, 47, 42, 43],
+]
+
 TINY_LLAMA = dict(
     vocab_size=49152,
     hidden_size=64,

@@ -13,16 +13,9 @@ from actors.engines.native.packed import can_pack
 from actors.policy import PolicyCore
 from policies.asd import ASDConfig
 
-from tests.conftest import save_tiny_llama
+from tests.conftest import REPETITIVE_PROMPTS, save_tiny_llama
 
-# Repetitive prompts so that prompt lookup finds drafts and some of them are accepted.
-PROMPTS = [
-    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
-    [100, 200, 300, 100, 200],
-    [9, 9, 9, 9, 9, 9],
-    [1000, 2000, 3000, 4000, 1000, 2000, 3000],
-    [42, 43, 44, 45, 46, 47, 42, 43],
-]
+PROMPTS = REPETITIVE_PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,9 @@ from actors.engines.native.engine import Engine
 from actors.policy import LocalPolicy, PolicyCore
 from actors.stats import RequestRecord
 from policies.asd import ASDConfig
+from tests.conftest import REPETITIVE_PROMPTS
 
-PROMPTS = [
-    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
-    [100, 200, 300, 100, 200],
-    [9, 9, 9, 9, 9, 9],
-    [1000, 2000, 3000, 4000, 1000, 2000, 3000],
-    [42, 43, 44, 45, 46, 47, 42, 43],
-]
+PROMPTS = REPETITIVE_PROMPTS
 EXACT_ARM = ArmSpec("exact")
 FALLBACK_ARM = ArmSpec("asd", "asd", ASDConfig(g=2.0, max_relaxed_per_block=2, budget=8.0))
 

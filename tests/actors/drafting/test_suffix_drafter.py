@@ -17,15 +17,9 @@ from actors.engines.native import load_model
 from actors.engines.native.engine import Engine
 from actors.policy import PolicyCore
 from policies import PAD_TOKEN_ID
+from tests.conftest import REPETITIVE_PROMPTS
 
-# Repetitive prompts, so that drafts are proposed and some accepted.
-PROMPTS = [
-    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
-    [100, 200, 300, 100, 200],
-    [9, 9, 9, 9, 9, 9],
-    [1000, 2000, 3000, 4000, 1000, 2000, 3000],
-    [42, 43, 44, 45, 46, 47, 42, 43],
-]
+PROMPTS = REPETITIVE_PROMPTS
 
 
 @pytest.fixture(scope="module")

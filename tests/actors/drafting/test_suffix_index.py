@@ -362,20 +362,6 @@ def replay(prompt, output, draft_fn, gamma):
             "tokens_per_round": len(output) / rounds, "proposed": proposed}
 
 
-def _local_ngram_lookup(context: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """A copy of actors.drafting.ngram.ngram_lookup, for when it cannot be imported."""
-    length = len(context)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = context[length - n :]
-        windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)  # [L-n, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            full = hits[hits + n + k <= length]
-            start = int(full[-1] if full.size else hits[0]) + n
-            return context[start : start + k].tolist()
-    return []
-
-
 def suffix_drafter(min_confidence: float):
     """The suffix proposer with an index kept across rounds (each round appends only what was committed)."""
     index = SuffixIndex()
@@ -389,7 +375,7 @@ def suffix_drafter(min_confidence: float):
 
 @pytest.mark.parametrize("gamma", [8, 16])
 def test_suffix_drafts_accept_more_than_prompt_lookup_on_copy_edit(gamma):
-    lookup = ngram_lookup or _local_ngram_lookup
+    lookup = ngram_lookup
     prompt, output = copy_edit_stream()
 
     def ngram_draft(context, g):
