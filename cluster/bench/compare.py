@@ -26,7 +26,10 @@ def rows(summaries: list[dict]) -> list[tuple[str, list[float | None]]]:
         values = []
         for summary in summaries:
             value = summary.get(key)
-            values.append(value.get(workload) if isinstance(value, dict) else value)
+            value = value.get(workload) if isinstance(value, dict) else value
+            if isinstance(value, dict):  # asd_quality_delta/ARM: {"delta", "ci95", ...}: its delta
+                value = value.get("delta")
+            values.append(value if isinstance(value, (int, float)) else None)
         out.append((name, values))
     return out
 

@@ -31,13 +31,17 @@ def test_bench_turns_the_output_cache_off():
 
 
 def test_compare_lists_every_ratio_with_its_spread(tmp_path, capsys):
-    a = {"summary": {"spec_vs_target_only": {"code": 1.30, "edit": 2.0}, "http_vs_inprocess": 0.95}}
-    b = {"summary": {"spec_vs_target_only": {"code": 1.33, "edit": 1.6}, "concurrency8_vs_1": 2.5}}
+    quality = lambda delta: {"asd": {"suite": "humaneval", "delta": delta, "ci95": [0.0, 0.0]}}  # noqa: E731
+    a = {"summary": {"spec_vs_target_only": {"code": 1.30, "edit": 2.0}, "http_vs_inprocess": 0.95,
+                     "asd_quality_delta": quality(0.0)}}
+    b = {"summary": {"spec_vs_target_only": {"code": 1.33, "edit": 1.6}, "concurrency8_vs_1": 2.5,
+                     "asd_quality_delta": quality(0.0)}}
     for name, data in (("a", a), ("b", b)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(data))
     got = dict(rows([a["summary"], b["summary"]]))
     assert got["spec_vs_target_only/edit"] == [2.0, 1.6] and got["concurrency8_vs_1"] == [None, 2.5]
+    assert got["asd_quality_delta/asd"] == [0.0, 0.0]  # nested figures compare by their delta
     assert spread([1.30, 1.33]) == pytest.approx(0.03 / 1.315) and spread([None, 2.5]) is None
     assert compare_main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
