@@ -4,7 +4,9 @@ Without chunking, a unit prefills a newly admitted prompt whole before its next 
 prompt stalls every stream decoding beside it for the length of that forward. With a **prefill budget** of
 C tokens (`target.prefill_chunk_tokens`), each step of the unit's loop feeds at most C prompt tokens, then
 runs the decode round: running streams keep emitting, and the long prompt's first token comes a few rounds
-later. vLLM's chunked prefill does the same with its own `max_num_batched_tokens`.
+later. vLLM's chunked prefill does the same with its own `max_num_batched_tokens`. The budget binds only
+while some stream decodes (`Scheduler.prefill_chunks`): a unit with no running stream feeds whole prompts,
+so a burst of requests to an idle unit is not slowed down to C tokens a step.
 
 Chunk boundaries are **aligned**: a sequence's chunks are prompt positions [kC, min((k+1)C, len)), whatever
 else is prefilling, so how a prompt is split depends on the prompt and C only, never on other traffic.

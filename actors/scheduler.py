@@ -201,8 +201,10 @@ class Scheduler:
         return new
 
     def prefill_chunks(self) -> list[PrefillChunk]:
-        """This step's prompt chunks, within `prefill_chunk_tokens` (`actors.prefill.plan_chunks`)."""
-        return plan_chunks(self.prefilling, self.prefill_chunk_tokens)
+        """This step's prompt chunks (`actors.prefill.plan_chunks`): within `prefill_chunk_tokens` while
+        streams decode, whole when none does (chunking protects running streams; with none there is nothing
+        to protect, and a burst of new requests would otherwise wait chunk by chunk for its first tokens)."""
+        return plan_chunks(self.prefilling, self.prefill_chunk_tokens if self.active else None)
 
     def prefilled(self, chunks: list[PrefillChunk]) -> list[SequenceState]:
         """Record fed chunks; sequences whose prompt is now cached join the active batch (returned)."""

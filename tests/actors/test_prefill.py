@@ -87,13 +87,49 @@ def requests(tag):
     return out
 
 
+async def collect(coord, request) -> list[int]:
+    out = []
+    async for chunk in coord.generate(request):
+        out.extend(chunk.token_ids)
+    return out
+
+
+async def beside_a_stream(coord, requests_: list, started: int = 3) -> list[list[int]]:
+    """The requests' tokens, submitted once a running stream has emitted `started` tokens (chunking binds only
+    while some stream decodes), then the stream is awaited too."""
+    streamed = []
+
+    async def stream():
+        async for chunk in coord.generate(GenerationRequest("runner", [7, 8, 9], SamplingParams(max_tokens=120),
+                                                            speculate=False)):
+            streamed.extend(chunk.token_ids)
+
+    runner = asyncio.ensure_future(stream())
+    while len(streamed) < started:
+        await asyncio.sleep(0)
+    outs = await asyncio.gather(*(collect(coord, r) for r in requests_))
+    await runner
+    await coord.stop()
+    return list(outs)
+
+
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_chunked_prefill_gives_the_same_tokens_as_whole_prefill(tiny, chunk):
     whole = [o.token_ids for o in unit(tiny, None).generate_many_sync(requests("w"))]
-    coord = unit(tiny, chunk)
-    chunked = coord.generate_many_sync(requests("c"))
-    assert [o.token_ids for o in chunked] == whole  # greedy, ASD with B = 0 and a seeded sampled row
+    coord = unit(tiny, chunk, target=Recording)
+    chunked = asyncio.run(beside_a_stream(coord, requests("c")))
+    assert chunked == whole  # greedy, ASD with B = 0 and a seeded sampled row
+    assert max(e[1] for e in coord.target.log if e[0] == "prefill" and "runner" not in e[2]) <= chunk
     assert coord.target.engine.active_ids() == [] and coord.policy.core.open_ledgers() == []
+
+
+def test_an_idle_unit_prefills_whole_prompts(tiny):
+    """With no stream decoding there is nothing to protect: a burst of requests enters whole, in one step."""
+    coord = unit(tiny, 16, target=Recording)
+    outs = coord.generate_many_sync(requests("i"))
+    prefills = [e for e in coord.target.log if e[0] == "prefill"]
+    assert len(prefills) == 1 and prefills[0][1] == sum(len(p) for p in prompts())
+    assert [o.token_ids for o in outs] == [o.token_ids for o in unit(tiny, None).generate_many_sync(requests("w"))]
 
 
 class Recording:
@@ -149,13 +185,18 @@ def test_abort_mid_prefill_frees_the_sequence(tiny):
     asd = ArmSpec("asd", "asd", ASDConfig(g=2.0, max_relaxed_per_block=2, budget=4.0))
 
     async def scenario():
+        runner = asyncio.ensure_future(collect(coord, GenerationRequest("runner", [7, 8, 9],
+                                                                        SamplingParams(max_tokens=60))))
+        while not coord.scheduler.active:  # a decoding stream, so the prompt is chunked
+            await asyncio.sleep(0)
         gen = coord.generate(GenerationRequest("a", prompts(2)[0], SamplingParams(max_tokens=8), arm=asd))
         consumer = asyncio.ensure_future(gen.__anext__())
-        while sum(e[0] == "prefill" for e in coord.target.log) < 2:
+        while sum(e[0] == "prefill" and "a" in e[2] for e in coord.target.log) < 2:
             await asyncio.sleep(0)
         assert coord.scheduler.prefilling and coord.policy.core.open_ledgers() == ["a"]
         await coord.abort("a")
         last = await consumer
+        await runner
         await coord.stop()
         return last
 
