@@ -5,7 +5,9 @@ forced arm served every request, the resume, bad input, and `ab report --eval` a
 from __future__ import annotations
 
 import json
+import time
 
+import httpx
 import pytest
 from served_app import served_app
 
@@ -95,6 +97,15 @@ def test_eval_over_http_scores_both_arms_and_resumes(server, suite, tmp_path, ca
 
     from cluster.experiments.report import main as ab_report
 
+    # a request's record reaches the export a moment after its response: wait until each arm's 6 have (4 rows,
+    # and the one-token probe of each of the two runs)
+    deadline = time.monotonic() + 30
+    while True:
+        rows = httpx.get(f"{server}/v1/specserve/export", timeout=10).json()["requests"]
+        if all(sum(r["arm"] == arm for r in rows) >= 6 for arm in ("exact", "asd")):
+            break
+        assert time.monotonic() < deadline, "the export never held every request"
+        time.sleep(0.2)
     assert ab_report(["--url", server, "--eval", str(out), "--json", "--resamples", "100"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {"exact", "asd"} <= set(report["arms"]) and report["arms"]["asd"]["completed"] >= 4
