@@ -1,7 +1,8 @@
 """What a benchmark run measures and how much of it: the `quick` and `full` presets.
 
 Sizes are chosen for the 2-core CPU this project develops on (one SmolLM2 decode step ≈ 30 ms at batch 1):
-`quick` finishes in under 6 minutes, `full` in under 50, on a quiet machine. The quality section answers a
+`quick` takes about 10 minutes (measured 530-624 s with the sampled and quality sections), `full` under 50,
+on a quiet machine. The quality section answers a
 task suite on every arm: quick = 2 HumanEval problems capped at 96 tokens (a smoke test: too few problems for a
 quality figure), full = 8 copy-heavy rewrites on the config's arms and two narrower gates.
 
