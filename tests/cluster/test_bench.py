@@ -18,6 +18,18 @@ from cluster.bench.summary import GOALS, SUMMARY_KEYS
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_bench(argv: list[str]) -> int:
+    """`specserve bench` in this process; it sets torch to the bench's threads, so put the test's 1 back."""
+    import torch
+
+    from cluster.bench.run import main
+
+    try:
+        return main(argv)
+    finally:
+        torch.set_num_threads(1)
+
+
 def _round(k: int, accepted: int, score_s: float, total_s: float | None = None) -> RoundRecord:
     return RoundRecord("u", 1, 0.0, 0.001 if k else 0.0, score_s, 0.0, total_s or score_s + 0.001,
                        (RowRecord("r", "exact", k, accepted),))
@@ -69,17 +81,10 @@ def tiny_config(tmp_path, tiny_llama_dir):
 
 
 def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
-    import torch
-
-    from cluster.bench.run import main
-
     out = tmp_path / "bench"
     argv = ["--quick", "--out", str(out), "--skip", "http,quality", "--workloads", "code,edit", "--prompts", "1",
             "--max-tokens", "6", str(tiny_config)]
-    try:
-        assert main(argv) == 0
-    finally:
-        torch.set_num_threads(1)
+    assert run_bench(argv) == 0
     results = json.loads((out / "results.json").read_text())
     summary = results["summary"]
     assert set(summary) == set(SUMMARY_KEYS) - {"http_vs_inprocess", "concurrency8_vs_1", "asd_quality_delta"}
@@ -96,21 +101,14 @@ def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
     assert {"gamma_sweep.png", "asd_frontier.png", "peer.png", "predicted_vs_realized.png"} <= {
         p.name for p in out.iterdir()}
     # a resumed run reuses every stored section
-    assert main(argv + ["--resume"]) == 0
+    assert run_bench(argv + ["--resume"]) == 0
 
 
 def test_quality_section_scores_every_arm_against_exact(tiny_config, tmp_path):
-    import torch
-
-    from cluster.bench.run import main
-
     out = tmp_path / "bench"
-    argv = ["--quick", "--out", str(out), "--skip", "batched,asd,hf,http", "--workloads", "code", "--prompts", "1",
-            "--max-tokens", "6", "--quality-problems", "2", str(tiny_config)]
-    try:
-        assert main(argv) == 0
-    finally:
-        torch.set_num_threads(1)
+    argv = ["--quick", "--out", str(out), "--skip", "batched,asd,sampled,hf,http", "--workloads", "code",
+            "--prompts", "1", "--max-tokens", "6", "--quality-problems", "2", str(tiny_config)]
+    assert run_bench(argv) == 0
     results = json.loads((out / "results.json").read_text())
     quality = results["sections"]["quality"]
     report = quality["report"]
@@ -128,26 +126,19 @@ def test_quality_section_scores_every_arm_against_exact(tiny_config, tmp_path):
     assert "## Task quality per arm" in (out / "report.md").read_text()
     assert (out / "quality" / "rows.jsonl").is_file() and (out / "quality" / "results.json").is_file()
     # without --resume the eval's rows start afresh; with it, the stored section is reused as is
-    assert main(argv) == 0 and len((out / "quality" / "rows.jsonl").read_text().splitlines()) == 4
+    assert run_bench(argv) == 0 and len((out / "quality" / "rows.jsonl").read_text().splitlines()) == 4
     again = json.loads((out / "results.json").read_text())["sections"]["quality"]
     assert again["report"]["created"] > report["created"]
-    assert main(argv + ["--resume"]) == 0
+    assert run_bench(argv + ["--resume"]) == 0
     assert json.loads((out / "results.json").read_text())["sections"]["quality"] == again
 
 
 @pytest.mark.slow
 def test_http_section_measures_the_served_app(tiny_config, tmp_path):
-    import torch
-
-    from cluster.bench.run import main
-
     out = tmp_path / "bench"
-    argv = ["--quick", "--out", str(out), "--skip", "batched,asd,hf,quality", "--workloads", "code", "--prompts", "2",
-            "--max-tokens", "6", "--port", "8791", str(tiny_config)]
-    try:
-        assert main(argv) == 0
-    finally:
-        torch.set_num_threads(1)
+    argv = ["--quick", "--out", str(out), "--skip", "batched,asd,sampled,hf,quality", "--workloads", "code",
+            "--prompts", "2", "--max-tokens", "6", "--port", "8791", str(tiny_config)]
+    assert run_bench(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert {"http_vs_inprocess", "concurrency8_vs_1"} <= set(results["summary"])
     rows = results["sections"]["http"]["rows"]
