@@ -4,14 +4,21 @@ Without chunking, a unit prefills a newly admitted prompt whole before its next 
 prompt stalls every stream decoding beside it for the length of that forward. With a **prefill budget** of
 C tokens (`target.prefill_chunk_tokens`), each step of the unit's loop feeds at most C prompt tokens, then
 runs the decode round: running streams keep emitting, and the long prompt's first token comes a few rounds
-later. vLLM's chunked prefill does the same with its own `max_num_batched_tokens`. The budget binds only
-while some stream decodes (`Scheduler.prefill_chunks`): a unit with no running stream feeds whole prompts,
-so a burst of requests to an idle unit is not slowed down to C tokens a step.
+later. vLLM's chunked prefill does the same with its own `max_num_batched_tokens` and
+`long_prefill_token_threshold`. The budget binds only while some stream decodes (`Scheduler.prefill_chunks`):
+a unit with no running stream feeds whole prompts, so a burst of requests to an idle unit is not slowed down
+to C tokens a step.
+
+The budget is **per sequence**, not per step: every prefilling sequence advances by its next chunk of at most C
+tokens in each step. One long prompt beside running streams (what the budget is for) costs them C tokens a step
+either way. A budget shared by the step would serialize a burst: eight requests sent together to a unit that is
+already decoding one of them waited for each other chunk by chunk, and `concurrency8_vs_1` fell from 2.56 to
+1.2 (docs/benchmarks.md). With a per-sequence budget, a burst of k new prompts costs the running streams at
+most k·C prompt tokens a step, and k is bounded by the unit's slots (`target.max_batch_size`).
 
 Chunk boundaries are **aligned**: a sequence's chunks are prompt positions [kC, min((k+1)C, len)), whatever
 else is prefilling, so how a prompt is split depends on the prompt and C only, never on other traffic.
-Sequences prefill first come first served: the first one always gets its next chunk, later ones join the
-same forward while their next chunk still fits the step's budget. Only a prompt's **last** chunk is sampled
+Only a prompt's **last** chunk is sampled
 (it yields the first token); earlier chunks are fed as greedy rows, so a seeded sampled request draws no
 random numbers for them and reproduces whether or not its prompt was chunked.
 """
@@ -55,18 +62,15 @@ class PrefillChunk:
 
 
 def plan_chunks(prefilling: list[Prefilling], budget: int | None) -> list[PrefillChunk]:
-    """The chunks of one step: aligned chunks of at most `budget` tokens in all, first come first served
-    (the first sequence always gets its chunk); `budget` None feeds every remaining prompt whole."""
+    """The chunks of one step: each prefilling sequence's next aligned chunk of at most `budget` tokens
+    (a per-sequence budget, see the module docstring); `budget` None feeds every remaining prompt whole."""
     if budget is not None and budget < 1:
         raise ValueError(f"budget: must be >= 1 or None, got {budget}")
-    chunks, used = [], 0
+    chunks = []
     for seq in prefilling:
         start, length = seq.prefilled, len(seq.request.prompt_ids)
         end = length if budget is None else min(length, (start // budget + 1) * budget)
-        if chunks and budget is not None and used + end - start > budget:
-            continue  # a later, shorter chunk may still fit this step
         chunks.append(PrefillChunk(seq, start, end))
-        used += end - start
     return chunks
 
 

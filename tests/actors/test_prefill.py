@@ -33,14 +33,15 @@ def seq(rid, n, prefilled=0):
     return Seq(Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4)), list(range(1, n + 1)), prefilled)
 
 
-def test_chunks_are_aligned_and_within_the_budget():
+def test_chunks_are_aligned_and_within_the_budget_per_sequence():
     a, b, c = seq("a", 100, prefilled=32), seq("b", 10), seq("c", 40)
-    chunks = plan_chunks([a, b, c], 32)
-    assert [(ch.seq.rid, ch.start, ch.end, ch.last) for ch in chunks] == [("a", 32, 64, False)]
-    a.prefilled = 96
-    chunks = plan_chunks([a, b, c], 32)  # a's last 4 tokens, then b fits; c's first chunk (32) does not
-    assert [(ch.seq.rid, ch.start, ch.end, ch.last) for ch in chunks] == [("a", 96, 100, True), ("b", 0, 10, True)]
-    assert sum(ch.end - ch.start for ch in chunks) <= 32
+    chunks = plan_chunks([a, b, c], 32)  # every prefilling sequence advances by its own next chunk
+    assert [(ch.seq.rid, ch.start, ch.end, ch.last) for ch in chunks] == [
+        ("a", 32, 64, False), ("b", 0, 10, True), ("c", 0, 32, False)]
+    a.prefilled, c.prefilled = 96, 32
+    chunks = plan_chunks([a, c], 32)  # aligned: a's last 4 tokens, c's last 8, whatever else prefills
+    assert [(ch.seq.rid, ch.start, ch.end, ch.last) for ch in chunks] == [("a", 96, 100, True), ("c", 32, 40, True)]
+    assert all(ch.end - ch.start <= 32 for ch in chunks)
     whole = plan_chunks([seq("x", 100), seq("y", 7)], None)
     assert [(ch.start, ch.end, ch.last) for ch in whole] == [(0, 100, True), (0, 7, True)]
     with pytest.raises(ValueError, match="budget"):
@@ -128,18 +129,18 @@ def test_an_idle_unit_prefills_whole_prompts(tiny):
     coord = unit(tiny, 16, target=Recording)
     outs = coord.generate_many_sync(requests("i"))
     prefills = [e for e in coord.target.log if e[0] == "prefill"]
-    assert len(prefills) == 1 and prefills[0][1] == sum(len(p) for p in prompts())
+    assert len(prefills) == 1 and prefills[0][1] == max(len(p) for p in prompts()) > 16
     assert [o.token_ids for o in outs] == [o.token_ids for o in unit(tiny, None).generate_many_sync(requests("w"))]
 
 
 class Recording:
-    """A TargetBackend that logs each step: ("prefill", tokens fed) or ("round", rows)."""
+    """A TargetBackend that logs each step: ("prefill", most tokens fed for one sequence, ids) or ("round", rows)."""
 
     def __init__(self, inner):
         self.inner, self.log = inner, []
 
     async def step(self, batch):
-        fed = sum(len(t) for t in batch.tokens)
+        fed = max(len(t) for t in batch.tokens)
         self.log.append(("prefill", fed, tuple(batch.seq_ids)) if batch.prefill else ("round", len(batch.seq_ids)))
         return await self.inner.step(batch)
 
