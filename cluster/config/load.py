@@ -38,8 +38,12 @@ def parse_config(data: Any, source: str = "<config>", text: str | None = None) -
         raise ConfigError(f"{source}: invalid config\n" + "\n".join(problems)) from None
 
 
-def load_config(path: str | Path) -> SpecServeConfig:
-    """Read and validate a YAML config file; errors name the file and the YAML path of each bad field."""
+def load_config(path: str | Path, *, check_engines: bool = True) -> SpecServeConfig:
+    """Read and validate a YAML config file; errors name the file and the YAML path of each bad field.
+
+    `check_engines`: a config whose engine is 'vllm' fails here, naming the extra to install, when vLLM is
+    not importable (`actors.engines.vllm.require_vllm`). Rendering manifests for a cluster
+    (`cluster.k8s`) passes False: the image has the engine, the machine that renders need not."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -48,7 +52,21 @@ def load_config(path: str | Path) -> SpecServeConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
-    return parse_config(data, source=str(path), text=text)
+    cfg = parse_config(data, source=str(path), text=text)
+    if check_engines:
+        engines_available(cfg, source=str(path))
+    return cfg
+
+
+def engines_available(cfg: SpecServeConfig, source: str = "<config>") -> None:
+    """ConfigError naming the extra to install when the config's engine is not installed here."""
+    if cfg.target.engine == "vllm" or cfg.drafter.engine == "vllm":
+        from actors.engines.vllm import require_vllm
+
+        try:
+            require_vllm()
+        except ImportError as err:
+            raise ConfigError(f"{source}: target.engine is 'vllm' but {err}") from None
 
 
 def dump_config(cfg: SpecServeConfig) -> dict[str, Any]:

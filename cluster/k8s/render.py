@@ -134,9 +134,11 @@ def render_manifest(cfg: SpecServeConfig, config_path_in_image: str | None, imag
 
 
 def render_config_file(config_path: str | Path, image: str | None = None) -> str:
-    """Load a config file and render its manifest; `image` defaults to the CPU or GPU image tag."""
-    cfg = load_config(config_path)
-    image = image or DEFAULT_IMAGES["gpu" if is_gpu(cfg) else "cpu"]
+    """Load a config file and render its manifest; `image` defaults to the CPU or GPU image tag, with the vLLM
+    engine's extra (`-vllm`, the Dockerfile's EXTRAS build) when the config runs on vLLM."""
+    cfg = load_config(config_path, check_engines=False)
+    vllm = "vllm" in (cfg.target.engine, cfg.drafter.engine)
+    image = image or DEFAULT_IMAGES["gpu" if is_gpu(cfg) else "cpu"] + ("-vllm" if vllm else "")
     return render_manifest(cfg, _display_path(config_path), image)
 
 
@@ -147,7 +149,7 @@ def render_to_file(config_path: str | Path, image: str | None = None, out: str |
     """
     text = render_config_file(config_path, image)
     if out is None:
-        out = Path("k8s") / manifest_filename(load_config(config_path), config_path)
+        out = Path("k8s") / manifest_filename(load_config(config_path, check_engines=False), config_path)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -157,7 +159,7 @@ def render_to_file(config_path: str | Path, image: str | None = None, out: str |
 def shipped_manifests(root: Path = REPO_ROOT) -> dict[Path, Path]:
     """Each shipped config under `root/configs` mapped to its manifest path under `root/k8s`."""
     return {
-        path: root / "k8s" / manifest_filename(load_config(path), path)
+        path: root / "k8s" / manifest_filename(load_config(path, check_engines=False), path)
         for path in sorted((root / "configs").glob("*.yaml"))
     }
 

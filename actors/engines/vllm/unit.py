@@ -1,0 +1,322 @@
+"""`VllmUnit`: a unit whose target runs on vLLM's engine (`target.engine: vllm`).
+
+It has the surface of `actors.coordinator.Coordinator` that the serving layer uses (`generate` streaming
+`GenerationChunk`s with a `RequestRecord` on the last one, `abort`, `close`, `active_requests`,
+`generate_many_sync`), so the decoder replica, arms, `usage.speculative`, the audit and the metrics work
+unchanged. vLLM's `AsyncLLM` runs the engine: its engine-core process schedules and batches, its worker
+processes run the model (`tensor_parallel_size` workers), and specserve's proposer and ASD hook run inside the
+worker (`actors.engines.vllm.worker`).
+
+Failure:
+- **Start.** An engine that fails to start (bad model path, not enough KV memory) raises `EngineStartError`
+  carrying vLLM's error, so the unit (and its Serve replica) fails to start with it.
+- **Death mid-request.** When the engine dies, every in-flight request ends with finish reason "error"; its
+  ledger died with the worker that held it (nothing is left open), and the unit starts a new engine; requests
+  that arrive meanwhile wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.drafting import DrafterSetup
+from actors.requests import GenerationChunk, GenerationRequest, GenerationResult
+from actors.stats import LoopObserver, NullObserver, RequestRecord
+
+log = logging.getLogger(__name__)
+
+PROPOSER = "actors.engines.vllm.worker.SpecserveProposer"
+EXTENSION = "actors.engines.vllm.worker.SpecserveWorkerExtension"
+RECORD_TIMEOUT_S = 10.0  # reading a finished request's record from the worker
+
+
+class EngineStartError(RuntimeError):
+    """vLLM's engine did not start; the message carries vLLM's own error."""
+
+
+@dataclass(frozen=True)
+class VllmSetup:
+    """What a vLLM-engine unit needs from the config (`cluster.serving.decoder.unit_setup`)."""
+
+    source: str
+    dtype: str = "float32"
+    tp_size: int = 1
+    max_slots: int = 8
+    max_seq_len: int | None = None
+    engine_kwargs: dict = field(default_factory=dict)
+
+
+def engine_args(setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any], *, model_dir: str,
+                max_seq_len: int, record_asd: bool = False) -> dict[str, Any]:
+    """vLLM `AsyncEngineArgs` keywords: specserve's proposer when it drafts, its settings in
+    `additional_config`, the worker extension; `engine_kwargs` last (the schema keeps it off specserve's own)."""
+    drafting = drafter.kind != "none"
+    args: dict[str, Any] = dict(
+        model=model_dir, tokenizer=model_dir, dtype=setup.dtype, tensor_parallel_size=setup.tp_size,
+        max_model_len=max_seq_len, max_num_seqs=setup.max_slots, seed=0,
+        worker_extension_cls=EXTENSION, distributed_executor_backend="mp",
+        additional_config={"specserve": {
+            "policy": policy, "record_asd": record_asd,
+            "drafter": {"kind": drafter.kind, "prompt_lookup_min": drafter.prompt_lookup_min,
+                        "prompt_lookup_max": drafter.prompt_lookup_max, "suffix_max_depth": drafter.suffix_max_depth,
+                        "suffix_min_confidence": drafter.suffix_min_confidence,
+                        "suffix_cache_tokens": drafter.suffix_cache_tokens},
+        }},
+    )
+    if drafting:
+        args["speculative_config"] = {"method": "custom_class", "model": PROPOSER,
+                                      "num_speculative_tokens": max(1, policy["gamma_max"])}
+    args.update(setup.engine_kwargs)
+    return args
+
+
+class VllmUnit:
+    """One unit on vLLM. Build it with `start()` (blocking: vLLM loads and warms the model)."""
+
+    def __init__(self, *, unit: str, setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any],
+                 observer: LoopObserver | None = None, eos_token_ids: Sequence[int] | None = None,
+                 record_asd: bool = False):
+        from actors.engines.vllm import require_vllm
+        from actors.sources import model_info, resolve
+
+        require_vllm()
+        info = model_info(setup.source)
+        self.unit, self.setup, self.drafter_setup = unit, setup, drafter
+        self.max_seq_len = min(setup.max_seq_len or info["max_position_embeddings"], info["max_position_embeddings"])
+        self.eos_token_ids = tuple(info["eos_token_ids"] if eos_token_ids is None else eos_token_ids)
+        self.observer = observer or NullObserver()
+        self.args = engine_args(setup, drafter, policy, model_dir=str(resolve(setup.source)),
+                                max_seq_len=self.max_seq_len, record_asd=record_asd)
+        self.engine = None
+        self.generation = 0  # engines started (a rebuild after a death counts)
+        self._inflight: set[str] = set()
+        self._rebuild: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the private loop of the *_sync helpers
+        self._closed = False
+
+    # --- engine lifecycle --------------------------------------------------------------------------------
+    def start(self) -> VllmUnit:
+        """Start vLLM's engine (blocking); `EngineStartError` with vLLM's error when it does not start."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from actors.engines.vllm.plugin import ERRORS_ENV, PARENT_DEATH_ENV
+
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's workers must not fork Ray or torch
+        os.environ[PARENT_DEATH_ENV] = "1"  # vLLM's processes end with this one (plugin._die_with_parent)
+        with tempfile.NamedTemporaryFile("r", prefix="specserve-vllm-", suffix=".log") as errors:
+            os.environ[ERRORS_ENV] = errors.name  # vLLM's processes log their errors there (plugin._report_errors)
+            try:
+                self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.args))
+            except Exception as err:
+                raise EngineStartError(f"vLLM engine for {self.setup.source!r} failed to start: "
+                                       f"{_cause(errors.read()) or _root(err)}") from err
+            finally:
+                os.environ.pop(ERRORS_ENV, None)
+        self.generation += 1
+        log.info("unit %s: vLLM engine %d ready (%s)", self.unit, self.generation, self.setup.source)
+        return self
+
+    async def _engine(self):
+        """The running engine, waiting for a rebuild in progress."""
+        if self._rebuild is not None:
+            await asyncio.shield(self._rebuild)
+        if self.engine is None:
+            raise RuntimeError(f"unit {self.unit} is closed")
+        return self.engine
+
+    def _engine_died(self, engine) -> None:
+        """Start a new engine once (every request that saw the death calls this)."""
+        if self._closed or engine is not self.engine or self._rebuild is not None:
+            return
+        log.error("unit %s: vLLM engine died; starting a new one", self.unit)
+        self.engine = None
+
+        async def rebuild():
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - it is dead already
+                pass
+            await asyncio.to_thread(self.start)
+
+        self._rebuild = asyncio.ensure_future(rebuild())
+        self._rebuild.add_done_callback(lambda _: setattr(self, "_rebuild", None))
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._rebuild is not None:
+            await asyncio.gather(self._rebuild, return_exceptions=True)
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def active_requests(self) -> list[str]:
+        return sorted(self._inflight)
+
+    async def abort(self, request_id: str) -> None:
+        if self.engine is not None and request_id in self._inflight:
+            await self.engine.abort(request_id)
+
+    async def kv_stats(self) -> dict[str, int]:
+        """vLLM's KV blocks (free, total) and its running and waiting requests (the engine core's own count)."""
+        engine = await self._engine()
+        return await engine.engine_core.call_utility_async("specserve_kv_stats")
+
+    async def worker_state(self) -> dict[str, list[str]]:
+        """What the worker holds for live requests: their records, open ledgers and drafter state."""
+        engine = await self._engine()
+        return (await engine.collective_rpc("specserve_live"))[0]
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's tokens; the last chunk has the finish reason and the record."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        rid = request.request_id
+        if rid in self._inflight:
+            raise ValueError(f"request_id {rid!r} is already running on unit {self.unit}")
+        engine = await self._engine()
+        started, first = time.monotonic(), None
+        tokens: list[int] = []
+        reason, error = "abort", None
+        self._inflight.add(rid)
+        stream = engine.generate({"prompt_token_ids": list(request.prompt_ids)}, self._params(request), rid)
+        try:
+            async for out in stream:
+                new = list(out.outputs[0].token_ids)
+                if new and first is None:
+                    first = time.monotonic()
+                tokens.extend(new)
+                if out.finished:
+                    reason = out.outputs[0].finish_reason or "abort"
+                    final = new
+                    if reason == "stop" and final and final[-1] in self._stops(request):
+                        final.pop()  # vLLM keeps the stop token; specserve's outputs end before it
+                        tokens.pop()
+                    break
+                if new:
+                    yield GenerationChunk(new)
+            else:
+                final = []
+        except EngineDeadError as err:
+            reason, error, final = "error", f"vLLM engine died: {err}", []
+            self._engine_died(engine)
+        finally:
+            await stream.aclose()  # a no-op after the end; on cancellation vLLM aborts the request (frees KV)
+            self._inflight.discard(rid)
+            if reason != "error":
+                worker = await self._take(engine, rid)
+            else:
+                worker = {}
+        record = self._record(request, worker, tokens, started, first, reason)
+        self.observer.on_request(record)
+        yield GenerationChunk(final, finish_reason=reason, record=record, error=error)
+
+    async def _take(self, engine, rid: str) -> dict[str, Any]:
+        """The worker's record of a finished request (and the worker forgets it); {} if it cannot be read."""
+        try:
+            taken = await asyncio.wait_for(engine.collective_rpc("specserve_take", args=([rid],)), RECORD_TIMEOUT_S)
+            return taken[0].get(rid, {})
+        except Exception as err:  # noqa: BLE001 - the request is over either way
+            log.warning("unit %s: no record for %s (%s)", self.unit, rid, err)
+            return {}
+
+    def _stops(self, request: GenerationRequest) -> list[int]:
+        p = request.params
+        return list(dict.fromkeys([*(() if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids]))
+
+    def _params(self, request: GenerationRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from actors.engines.vllm.worker import request_settings
+
+        p, arm = request.params, request.arm
+        sampled = p.temperature > 0
+        return SamplingParams(
+            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0, seed=p.seed,
+            stop_token_ids=self._stops(request),
+            ignore_eos=p.ignore_eos, detokenize=False, output_kind=RequestOutputKind.DELTA,
+            extra_args={"specserve": request_settings(
+                request.request_id, arm.name, speculate=request.speculate and self.drafter_setup.kind != "none",
+                seeded=sampled and p.seed is not None, asd=arm.asd if arm.verification == "asd" else None)},
+        )
+
+    def _record(self, request: GenerationRequest, worker: dict[str, Any], tokens: list[int], started: float,
+                first: float | None, reason: str) -> RequestRecord:
+        arm = request.arm
+        sampled = request.params.temperature > 0
+        asd_ran = arm.verification == "asd" and not sampled
+        return RequestRecord(
+            request_id=request.request_id, arm=arm.name, unit=self.unit, prompt_tokens=len(request.prompt_ids),
+            output_tokens=len(tokens), rounds=worker.get("rounds", 0), draft_tokens=worker.get("draft_tokens", 0),
+            accepted_tokens=worker.get("accepted_tokens", 0), gammas=tuple(worker.get("gammas", ())),
+            started_s=started, first_token_s=first, finished_s=time.monotonic(), finish_reason=reason,
+            verification="asd" if asd_ran else "exact", arm_verification=arm.verification,
+            asd_fallback="sampled" if arm.verification == "asd" and sampled else None, sampled=sampled,
+            regret_spent=worker.get("regret_spent", 0.0 if asd_ran else None),
+            regret_budget=worker.get("regret_budget", arm.asd.budget if arm.asd is not None else None),
+            relaxed_tokens=worker.get("relaxed_tokens", 0 if asd_ran else None),
+            ledger_exhausted=worker.get("ledger_exhausted", False),
+            accepted_per_position=tuple(worker.get("accepted_per_position", ())),
+        )
+
+    # --- synchronous helpers (CLI, benchmarks, tests) --------------------------------------------------------
+    def run_sync(self, coro):
+        """Run `coro` on the unit's private event loop (vLLM's output handler stays bound to one loop)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name=f"{self.unit}-loop", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate_many_sync(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        async def one(request):
+            tokens, last = [], None
+            async for chunk in self.generate(request):
+                tokens.extend(chunk.token_ids)
+                last = chunk
+            return GenerationResult(tokens, last.finish_reason, last.record)
+
+        async def many():
+            return await asyncio.gather(*(one(r) for r in requests))
+
+        return self.run_sync(many())
+
+    def generate_sync(self, request: GenerationRequest) -> GenerationResult:
+        return self.generate_many_sync([request])[0]
+
+    def close_sync(self) -> None:
+        if self._loop is not None:
+            self.run_sync(self.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None
+        elif self.engine is not None:
+            self._closed = True
+            self.engine.shutdown()
+            self.engine = None
+
+
+def _cause(log_text: str) -> str:
+    """The exception lines ("ValueError: ...") of vLLM's logged errors, else its last error line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
+    return " | ".join(dict.fromkeys(raised)) or (lines[-1] if lines else "")
+
+
+def _root(err: BaseException) -> str:
+    """vLLM's error with its causes (the engine core's own failure is often the cause of a generic one)."""
+    parts, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        parts.append(f"{type(err).__name__}: {err}")
+        err = err.__cause__ or err.__context__
+    return " <- ".join(parts)

