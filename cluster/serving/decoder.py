@@ -107,7 +107,8 @@ def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
 
 def vllm_unit(config: SpecServeConfig, unit: str, observer=None):
     """The config's unit on vLLM's engine (`target.engine: vllm`), started (blocking). The γ policy and the
-    ledgers run inside vLLM's worker (`actors.engines.vllm.worker`), with the policy actor's settings."""
+    ledgers run inside vLLM's worker (`actors.engines.vllm.worker`), with the policy actor's settings; a model
+    drafter runs in its own actor."""
     from actors.engines.vllm.unit import VllmSetup, VllmUnit
 
     target = config.target
@@ -115,7 +116,7 @@ def vllm_unit(config: SpecServeConfig, unit: str, observer=None):
                       max_slots=target.max_batch_size, max_seq_len=target.max_seq_len,
                       engine_kwargs=dict(target.engine_kwargs))
     return VllmUnit(unit=unit, setup=setup, drafter=unit_setup(config)["drafter"], policy=policy_kwargs(config),
-                    observer=observer).start()
+                    observer=observer, torch_threads=config.unit.torch_threads or 1).start()
 
 
 def local_unit(config: SpecServeConfig, unit: str = "local", observer=None):

@@ -8,8 +8,8 @@
   logits (`worker.WorkerState.verify_asd`).
 
 makes vLLM's processes end with the unit's (`_die_with_parent`), passes vLLM's start errors to the unit
-(`_report_errors`), and adds an `EngineCore` utility, `specserve_kv_stats` (free and total KV blocks, running and waiting
-requests), that the unit reads with `call_utility_async`. Every hook is a no-op unless a specserve proposer
+(`_report_errors`), and adds an `EngineCore` utility, `specserve_kv_stats` (free and total KV blocks, running
+and waiting requests), that the unit reads with `call_utility_async`. Every hook is a no-op unless a specserve proposer
 was built in the process, so vLLM engines started without specserve are unaffected. The hooks read vLLM 0.32
 internals; `actors.engines.vllm.VLLM_RANGE` pins the versions they were written for.
 """

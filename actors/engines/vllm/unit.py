@@ -56,7 +56,7 @@ class VllmSetup:
 
 
 def engine_args(setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any], *, model_dir: str,
-                max_seq_len: int, record_asd: bool = False) -> dict[str, Any]:
+                max_seq_len: int, record_asd: bool = False, drafter_actor: dict | None = None) -> dict[str, Any]:
     """vLLM `AsyncEngineArgs` keywords: specserve's proposer when it drafts, its settings in
     `additional_config`, the worker extension; `engine_kwargs` last (the schema keeps it off specserve's own)."""
     drafting = drafter.kind != "none"
@@ -65,7 +65,7 @@ def engine_args(setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any],
         max_model_len=max_seq_len, max_num_seqs=setup.max_slots, seed=0,
         worker_extension_cls=EXTENSION, distributed_executor_backend="mp",
         additional_config={"specserve": {
-            "policy": policy, "record_asd": record_asd,
+            "policy": policy, "record_asd": record_asd, "drafter_actor": drafter_actor,
             "drafter": {"kind": drafter.kind, "prompt_lookup_min": drafter.prompt_lookup_min,
                         "prompt_lookup_max": drafter.prompt_lookup_max, "suffix_max_depth": drafter.suffix_max_depth,
                         "suffix_min_confidence": drafter.suffix_min_confidence,
@@ -84,7 +84,7 @@ class VllmUnit:
 
     def __init__(self, *, unit: str, setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any],
                  observer: LoopObserver | None = None, eos_token_ids: Sequence[int] | None = None,
-                 record_asd: bool = False):
+                 record_asd: bool = False, torch_threads: int = 1):
         from actors.engines.vllm import require_vllm
         from actors.sources import model_info, resolve
 
@@ -94,8 +94,20 @@ class VllmUnit:
         self.max_seq_len = min(setup.max_seq_len or info["max_position_embeddings"], info["max_position_embeddings"])
         self.eos_token_ids = tuple(info["eos_token_ids"] if eos_token_ids is None else eos_token_ids)
         self.observer = observer or NullObserver()
+        self.drafter_actor, where = None, None
+        self._torch_threads, self._drafter_recovery = torch_threads, None
+        if drafter.kind == "model":
+            from actors.drafting import check_vocab
+
+            check_vocab(setup.source, info["vocab_size"], drafter.source, model_info(drafter.source)["vocab_size"])
+            from actors.remote.drafter import start_named_drafter
+
+            self.drafter_actor, where = start_named_drafter(unit, drafter, setup.max_slots, self.max_seq_len,
+                                                            torch_threads)
+        self._drafter_where = where
         self.args = engine_args(setup, drafter, policy, model_dir=str(resolve(setup.source)),
-                                max_seq_len=self.max_seq_len, record_asd=record_asd)
+                                max_seq_len=self.max_seq_len, record_asd=record_asd,
+                                drafter_actor=where)
         self.engine = None
         self.generation = 0  # engines started (a rebuild after a death counts)
         self._inflight: set[str] = set()
@@ -158,6 +170,32 @@ class VllmUnit:
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.shutdown()
+        self._kill_drafter()
+
+    async def _recover_drafter(self) -> None:
+        """A request saw the model drafter down: replace the actor if it is gone for good (Ray restarts one
+        that crashed; one killed without restart, or out of restarts, needs a new actor under the same name)."""
+        from actors.remote.drafter import drafter_gone, start_named_drafter
+
+        if self.drafter_actor is None or self._drafter_recovery is not None:
+            return
+        self._drafter_recovery = asyncio.ensure_future(asyncio.to_thread(drafter_gone, self.drafter_actor))
+        try:
+            if await self._drafter_recovery:
+                log.warning("unit %s: the drafter actor is gone; starting a new one", self.unit)
+                self._drafter_recovery = asyncio.ensure_future(asyncio.to_thread(
+                    start_named_drafter, self.unit, self.drafter_setup, self.setup.max_slots, self.max_seq_len,
+                    self._torch_threads, self._drafter_where["name"]))
+                self.drafter_actor, _ = await self._drafter_recovery
+        finally:
+            self._drafter_recovery = None
+
+    def _kill_drafter(self) -> None:
+        from actors.remote.drafter import kill_drafter
+
+        if self.drafter_actor is not None:
+            kill_drafter(self.drafter_actor)
+            self.drafter_actor = None
 
     # --- requests ----------------------------------------------------------------------------------------
     def active_requests(self) -> list[str]:
@@ -218,6 +256,8 @@ class VllmUnit:
             else:
                 worker = {}
         record = self._record(request, worker, tokens, started, first, reason)
+        if record.degraded:
+            await self._recover_drafter()
         self.observer.on_request(record)
         yield GenerationChunk(final, finish_reason=reason, record=record, error=error)
 
@@ -261,6 +301,7 @@ class VllmUnit:
             output_tokens=len(tokens), rounds=worker.get("rounds", 0), draft_tokens=worker.get("draft_tokens", 0),
             accepted_tokens=worker.get("accepted_tokens", 0), gammas=tuple(worker.get("gammas", ())),
             started_s=started, first_token_s=first, finished_s=time.monotonic(), finish_reason=reason,
+            degraded=worker.get("degraded", False),
             verification="asd" if asd_ran else "exact", arm_verification=arm.verification,
             asd_fallback="sampled" if arm.verification == "asd" and sampled else None, sampled=sampled,
             regret_spent=worker.get("regret_spent", 0.0 if asd_ran else None),
@@ -303,6 +344,7 @@ class VllmUnit:
             self._closed = True
             self.engine.shutdown()
             self.engine = None
+            self._kill_drafter()
 
 
 def _cause(log_text: str) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.contracts import DraftRequest
+from actors.contracts import DraftBatch, DraftRequest
 from actors.drafting import DrafterSetup, make_drafter
 from actors.policy import PolicyCore
 from policies import PAD_TOKEN_ID
@@ -55,11 +55,12 @@ class RequestState:
     last_gamma: int = 0  # drafts proposed for the step now running
     last_draft: tuple = ()  # (confidence, match_len) of that draft, for the policy
     internal_id: str = ""  # vLLM's id of the request
+    degraded: bool = False  # a draft was wanted while the model drafter was unavailable
 
     def record(self, ledger) -> dict[str, Any]:
         out = {"arm": self.arm, "rounds": self.rounds, "draft_tokens": self.draft_tokens,
                "accepted_tokens": self.accepted_tokens, "gammas": list(self.gammas),
-               "accepted_per_position": list(self.accepted_per_position)}
+               "accepted_per_position": list(self.accepted_per_position), "degraded": self.degraded}
         if ledger is not None:
             summary = ledger.summary()
             out.update(regret_spent=summary["spent"], regret_budget=summary["budget"],
@@ -80,7 +81,12 @@ class WorkerState:
 
     def __init__(self, settings: dict[str, Any], gamma_max: int, max_model_len: int):
         self.policy = PolicyCore(**settings["policy"])
-        self.drafter = make_drafter(DrafterSetup(**settings["drafter"]), max_slots=1, max_seq_len=max_model_len)
+        if settings["drafter"]["kind"] == "model":
+            from actors.remote.drafter import NamedDrafterClient
+
+            self.drafter = NamedDrafterClient(**settings["drafter_actor"], rank0=_tensor_parallel_rank() == 0)
+        else:
+            self.drafter = make_drafter(DrafterSetup(**settings["drafter"]), max_slots=1, max_seq_len=max_model_len)
         self.gamma_max, self.max_model_len = gamma_max, max_model_len
         self.requests: dict[str, RequestState] = {}  # by the unit's request id
         self._rid_of: dict[str, str] = {}  # vLLM's internal id -> the unit's id
@@ -158,7 +164,12 @@ class WorkerState:
         wanted = [(i, rid, state, g) for i, rid, state, g in rows if g > 0]
         if wanted and self.drafter is not None:
             batch_drafts = self.drafter.propose([
-                DraftRequest(rid, token_ids_cpu[i, : int(num_tokens_no_spec[i])], g) for i, rid, _, g in wanted])
+                DraftRequest(rid, token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist(), g)
+                for i, rid, _, g in wanted])
+            if batch_drafts is None:  # the model drafter is unavailable: these rows decode plainly this step
+                for _, _, state, _ in wanted:
+                    state.degraded = True
+                batch_drafts = DraftBatch.empty(len(wanted))
             lens = batch_drafts.draft_lens.tolist()
             ids = batch_drafts.draft_ids.tolist()
             for j, (i, rid, state, _) in enumerate(wanted):
@@ -240,7 +251,8 @@ class WorkerState:
             verdict = verify_asd_scores(draft_ids, scores, ledgers, config, draft_lens=lens)
             if self.asd_log is not None and len(self.asd_log) < 10_000:
                 self.asd_log.append({
-                    "rids": [rid for _, rid, _ in rows], "config": (config.g, config.max_relaxed_per_block, config.budget),
+                    "rids": [rid for _, rid, _ in rows],
+                    "config": (config.g, config.max_relaxed_per_block, config.budget),
                     "positions": [int(self.runner.input_batch.num_tokens_no_spec[b]) for b, _, _ in rows],
                     "draft_ids": draft_ids.tolist(), "draft_lens": lens.tolist(), "spent_before": spent_before,
                     "argmax_ids": scores.argmax_ids.tolist(), "argmax_logits": scores.argmax_logits.tolist(),
@@ -252,6 +264,15 @@ class WorkerState:
 
 
 WORKER: WorkerState | None = None  # this process's state (one vLLM worker per process)
+
+
+def _tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - not initialized: a single worker
+        return 0
 
 
 class SpecserveProposer:

