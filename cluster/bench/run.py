@@ -46,8 +46,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8765, help="HTTP port of the benchmark app (127.0.0.1)")
     parser.add_argument("--quality-suite", default=None, help="override: the quality section's eval suite")
     parser.add_argument("--quality-problems", type=int, default=None, help="override: its first N problems")
-    parser.add_argument("--section", choices=("all", "reliability"), default="all",
-                        help="reliability: fuzzing, faults under load, long-prefill stall (cluster.bench.reliability)")
+    parser.add_argument("--section", choices=("all", "reliability", "vllm"), default="all",
+                        help="reliability: fuzzing, faults under load, long-prefill stall (cluster.bench.reliability); "
+                        "vllm: specserve on the vLLM engine vs vLLM's own server (cluster.bench.vllm_peer; "
+                        "CONFIG defaults to configs/local-vllm.yaml)")
     return parser.parse_args(argv)
 
 
@@ -273,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     log.propagate = False
     if args.section == "reliability":
         from cluster.bench.reliability import main_section
+
+        return main_section(args, argv)
+    if args.section == "vllm":
+        from cluster.bench.vllm_peer import main_section
 
         return main_section(args, argv)
     try:

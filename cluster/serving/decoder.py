@@ -5,7 +5,9 @@ streaming Serve handle; the replica runs it on its coordinator, which batches it
 replica holds, and streams back events:
 
     UnitStarted   first, as soon as the replica accepted the job (so the ingress can answer 503 or start SSE)
-    TextDelta     per committed chunk: the new token ids and the text that is safe to send (`TextAssembler`)
+    TextDelta     per committed chunk: the new token ids and the text that is safe to send (`TextAssembler`);
+                  only for streaming jobs: a non-streaming one gets its whole text with `Finished`, one message
+                  through Serve instead of one per chunk
     Finished      last: finish reason, output token ids and the `usage.speculative` object
 
 Stop strings end a request here, next to the coordinator: the replica aborts the sequence (freeing its KV caches
@@ -40,6 +42,7 @@ class DecodeJob:
     arm: ArmSpec
     stop: tuple[str, ...] = ()  # text-level stop strings
     speculate: bool = True  # False: target-only decoding
+    stream: bool = True  # False: no TextDelta events; `Finished.text` carries the whole text (one message)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
     coordinator's stream frees the sequence.
     """
     assembler = TextAssembler(decode, list(job.prompt_ids), job.stop)
+    held: list[str] = []  # a non-streaming job's text, sent once with `Finished`
     request = GenerationRequest(job.request_id, list(job.prompt_ids), job.params, job.arm, speculate=job.speculate)
     stream = coordinator.generate(request)
     tokens: list[int] = []
@@ -146,7 +150,11 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
         async for chunk in stream:
             if chunk.token_ids and not assembler.stopped:
                 tokens.extend(chunk.token_ids)
-                yield TextDelta(assembler.push(list(chunk.token_ids)), tuple(chunk.token_ids))
+                text = assembler.push(list(chunk.token_ids))
+                if job.stream:
+                    yield TextDelta(text, tuple(chunk.token_ids))
+                else:
+                    held.append(text)
             if chunk.finish_reason is not None:
                 last = chunk
                 break
@@ -161,7 +169,7 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
     yield Finished(
         finish_reason=reason,
         token_ids=tuple(tokens),
-        text="" if assembler.stopped else assembler.flush(),
+        text="".join(held) + ("" if assembler.stopped else assembler.flush()),
         speculative=record.speculative_usage() if record is not None else None,
         regret_spent=record.regret_spent if record is not None else None,
         unit=unit,

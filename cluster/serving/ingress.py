@@ -209,7 +209,8 @@ class OpenAIIngress:
         except ValueError as err:
             raise APIError(str(err), code="invalid_value") from None
         request_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
-        job = DecodeJob(request_id, tuple(prompt_ids), params, arm.to_arm_spec(), body.stop_strings, body.speculate)
+        job = DecodeJob(request_id, tuple(prompt_ids), params, arm.to_arm_spec(), body.stop_strings, body.speculate,
+                        stream=bool(body.stream))
         return job, arm
 
     async def _serve(self, body, prompt_ids: list[int], request: Request, *, chat: bool) -> Response:
@@ -312,7 +313,7 @@ class OpenAIIngress:
             return
         reference = self.config.arm(self.config.audit.reference_arm).to_arm_spec()
         replay_job = DecodeJob(
-            f"{job.request_id}-audit", job.prompt_ids, job.params, reference, job.stop, job.speculate
+            f"{job.request_id}-audit", job.prompt_ids, job.params, reference, job.stop, job.speculate, stream=False
         )
 
         async def replay() -> list[int]:

@@ -63,6 +63,8 @@ def engine_args(setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any],
     args: dict[str, Any] = dict(
         model=model_dir, tokenizer=model_dir, dtype=setup.dtype, tensor_parallel_size=setup.tp_size,
         max_model_len=max_seq_len, max_num_seqs=setup.max_slots, seed=0,
+        # mp: the workers are the replica's subprocesses on its own GPUs; vLLM would pick its Ray executor inside
+        # a Ray process (engine_kwargs may choose it, with the placement it needs)
         worker_extension_cls=EXTENSION, distributed_executor_backend="mp",
         additional_config={"specserve": {
             "policy": policy, "record_asd": record_asd, "drafter_actor": drafter_actor,

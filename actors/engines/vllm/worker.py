@@ -189,14 +189,15 @@ class WorkerState:
         k = state.last_gamma
         state.rounds += 1
         state.gammas.append(k)
+        accepted = min(emitted - 1, k)
         if k:
-            accepted = min(emitted - 1, k)
             state.draft_tokens += k
             state.accepted_tokens += accepted
             if len(state.accepted_per_position) < k:
                 state.accepted_per_position.extend([0] * (k - len(state.accepted_per_position)))
             for pos in range(accepted):
                 state.accepted_per_position[pos] += 1
+        if state.speculate:  # a plain round counts too: after `probe_interval` of them the policy probes γ = 1
             confidence, match_len = state.last_draft or ((), 0)
             self.policy.gamma.observe(rid, state.arm, k, accepted, confidence, match_len)
         state.last_gamma, state.last_draft = 0, ()
