@@ -31,7 +31,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from actors.contracts import (ASDBatch, DraftBatch, DraftRequest, DrafterBackend, Engine, LedgersLost, PolicyBackend,
                               PolicyUnavailable, RoundReport, RowKey, TargetBackend, TargetBatch, TargetResult)
 from actors.prefill import prefill_batch
-from actors.requests import EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams
+from actors.requests import (EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams,
+                             collect)
 from actors.scheduler import RowOutcome, Scheduler, SequenceState
 from actors.stats import LoopObserver, NullObserver, RoundRecord, RowRecord
 from actors.verification import asd_batches, asd_outcomes, exact_outcomes, relaxed_sampled
@@ -117,16 +118,9 @@ class Coordinator:
     def generate_many_sync(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Run requests concurrently (batched into shared rounds) on a private event loop."""
 
-        async def one(req):
-            tokens, last = [], None
-            async for chunk in self.generate(req):
-                tokens.extend(chunk.token_ids)
-                last = chunk
-            return GenerationResult(tokens, last.finish_reason, last.record)
-
         async def all_of():
             try:
-                return await asyncio.gather(*(one(r) for r in requests))
+                return await asyncio.gather(*(collect(self.generate(r)) for r in requests))
             finally:
                 await self.stop()
 

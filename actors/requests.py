@@ -85,3 +85,12 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     record: RequestRecord | None
+
+
+async def collect(chunks) -> GenerationResult:
+    """A whole result from a request's stream of `GenerationChunk`s (the last carries the reason and record)."""
+    tokens, last = [], None
+    async for chunk in chunks:
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    return GenerationResult(tokens, last.finish_reason, last.record)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from actors.drafting import DrafterSetup
-from actors.requests import GenerationChunk, GenerationRequest, GenerationResult
+from actors.requests import GenerationChunk, GenerationRequest, GenerationResult, collect
 from actors.stats import LoopObserver, NullObserver, RequestRecord
 
 log = logging.getLogger(__name__)
@@ -322,15 +322,8 @@ class VllmUnit:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def generate_many_sync(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        async def one(request):
-            tokens, last = [], None
-            async for chunk in self.generate(request):
-                tokens.extend(chunk.token_ids)
-                last = chunk
-            return GenerationResult(tokens, last.finish_reason, last.record)
-
         async def many():
-            return await asyncio.gather(*(one(r) for r in requests))
+            return await asyncio.gather(*(collect(self.generate(r)) for r in requests))
 
         return self.run_sync(many())
 
