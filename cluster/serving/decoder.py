@@ -235,6 +235,12 @@ class DecoderUnit:
         async for event in decode_events(self.coordinator, job, self._decode, self.unit):
             yield event
 
+    def check_health(self) -> None:
+        """Serve's health check: a unit whose vLLM engine died and could not be started again is unhealthy, so
+        Serve replaces the replica (the native engine rebuilds its target within the unit)."""
+        if not getattr(self.coordinator, "healthy", lambda: True)():
+            raise RuntimeError(f"unit {self.unit}: its vLLM engine is gone and could not be started again")
+
     async def stats(self) -> dict[str, Any]:
         """Debug state for leak checks: the unit's active requests, the sequences holding KV cache in its
         target and its drafter actor (if it has one), and the app's open ledgers (every unit's)."""

@@ -132,6 +132,8 @@ class VllmUnit:
             try:
                 self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.args))
             except Exception as err:
+                if self.generation == 0:  # a unit that never started keeps nothing (a rebuild keeps its drafter)
+                    self._kill_drafter()
                 raise EngineStartError(f"vLLM engine for {self.setup.source!r} failed to start: "
                                        f"{_cause(errors.read()) or _root(err)}") from err
             finally:
@@ -164,6 +166,10 @@ class VllmUnit:
 
         self._rebuild = asyncio.ensure_future(rebuild())
         self._rebuild.add_done_callback(lambda _: setattr(self, "_rebuild", None))
+
+    def healthy(self) -> bool:
+        """False once the engine is gone for good: dead, and its rebuild failed (Serve then replaces the replica)."""
+        return self._closed or self.engine is not None or self._rebuild is not None
 
     async def close(self) -> None:
         self._closed = True
@@ -251,17 +257,25 @@ class VllmUnit:
             reason, error, final = "error", f"vLLM engine died: {err}", []
             self._engine_died(engine)
         finally:
-            await stream.aclose()  # a no-op after the end; on cancellation vLLM aborts the request (frees KV)
             self._inflight.discard(rid)
-            if reason != "error":
-                worker = await self._take(engine, rid)
-            else:
-                worker = {}
+            # In its own task: a consumer that goes away may cancel this generator again while it cleans up,
+            # and the abort (freeing vLLM's KV blocks) and the worker's release must happen all the same.
+            cleanup = asyncio.ensure_future(self._end(engine, stream, rid, take=reason != "error"))
+            worker = await asyncio.shield(cleanup)
         record = self._record(request, worker, tokens, started, first, reason)
         if record.degraded:
             await self._recover_drafter()
         self.observer.on_request(record)
         yield GenerationChunk(final, finish_reason=reason, record=record, error=error)
+
+    async def _end(self, engine, stream, rid: str, *, take: bool) -> dict[str, Any]:
+        """Close vLLM's stream (a no-op after its end; before it, vLLM aborts the request and frees its KV
+        blocks), then take the worker's record (which releases the request's drafter state and ledger)."""
+        try:
+            await stream.aclose()
+        except Exception as err:  # noqa: BLE001 - a dead engine: nothing left to free there
+            log.warning("unit %s: closing %s: %s", self.unit, rid, err)
+        return await self._take(engine, rid) if take else {}
 
     async def _take(self, engine, rid: str) -> dict[str, Any]:
         """The worker's record of a finished request (and the worker forgets it); {} if it cannot be read."""

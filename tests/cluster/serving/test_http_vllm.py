@@ -61,7 +61,8 @@ def _wait_idle(idle_free: int, timeout_s: float = 30.0) -> dict:
     deadline = time.time() + timeout_s
     while True:
         stats = _decoder_stats()
-        settled = not stats["active_requests"] and stats["kv"]["free_blocks"] == idle_free
+        settled = (not stats["active_requests"] and not stats["open_ledgers"] and not stats["target_sequences"]
+                   and stats["kv"]["free_blocks"] == idle_free)
         if settled or time.time() > deadline:
             return stats
         time.sleep(0.2)
