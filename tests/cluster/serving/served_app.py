@@ -30,3 +30,12 @@ def served_app(config: dict, app_name: str) -> Iterator[str]:
     finally:
         serve.shutdown()
         _kill_app_actors(app_name)
+
+
+def decoder_stats(app_name: str) -> dict:
+    """The app's decoder unit's leak-check state (`DecoderUnit.stats`)."""
+    from ray import serve
+
+    from cluster.serving.app import DECODER_DEPLOYMENT
+
+    return serve.get_deployment_handle(DECODER_DEPLOYMENT, app_name=app_name).stats.remote().result()

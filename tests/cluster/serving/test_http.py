@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from served_app import served_app
+from served_app import decoder_stats, served_app
 
 pytestmark = pytest.mark.slow
 
@@ -61,11 +61,7 @@ def client(server):
 
 
 def _decoder_stats() -> dict:
-    from ray import serve
-
-    from cluster.serving.app import DECODER_DEPLOYMENT
-
-    return serve.get_deployment_handle(DECODER_DEPLOYMENT, app_name=APP).stats.remote().result()
+    return decoder_stats(APP)
 
 
 def _wait_idle(timeout_s: float = 20.0) -> dict:

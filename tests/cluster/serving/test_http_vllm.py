@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from served_app import served_app
+from served_app import decoder_stats, served_app
 
 from tests.vllm_support import require_vllm_or_skip
 
@@ -50,11 +50,7 @@ def client(server):
 
 
 def _decoder_stats() -> dict:
-    from ray import serve
-
-    from cluster.serving.app import DECODER_DEPLOYMENT
-
-    return serve.get_deployment_handle(DECODER_DEPLOYMENT, app_name=APP).stats.remote().result()
+    return decoder_stats(APP)
 
 
 def _wait_idle(idle_free: int, timeout_s: float = 30.0) -> dict:
