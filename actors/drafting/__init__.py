@@ -41,6 +41,8 @@ class DrafterSetup:
     suffix_min_confidence: float = 0.4  # a suffix draft stops before a token less likely than this
     suffix_cache_tokens: int = 65536  # the unit's cache of recent outputs (0: off)
     resources: dict = field(default_factory=dict)  # Ray resources of the drafter actor: num_cpus, num_gpus, memory_gb
+    engine: str = "native"  # what runs a model drafter: native, or vllm (actors.engines.vllm.drafter)
+    engine_kwargs: dict = field(default_factory=dict)  # engine vllm: vLLM's engine arguments
 
     def __post_init__(self):
         if self.kind not in DRAFTER_KINDS:
@@ -55,6 +57,10 @@ def make_drafter(setup: DrafterSetup, *, max_slots: int, max_seq_len: int | None
         return NgramDrafter(setup.prompt_lookup_min, setup.prompt_lookup_max)
     if setup.kind == "suffix":
         return SuffixDrafter(setup.suffix_max_depth, setup.suffix_min_confidence, setup.suffix_cache_tokens)
+    if setup.kind == "model" and setup.engine == "vllm":
+        from actors.engines.vllm.drafter import VllmDrafter
+
+        return VllmDrafter(setup.source, setup.dtype, max_seq_len, max_slots, setup.engine_kwargs)
     if setup.kind == "model":
         from actors.engines.native import Engine, load_model
 

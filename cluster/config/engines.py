@@ -15,6 +15,14 @@ ENGINE_KWARGS_DESCRIPTION = (
     "taken from `dtype` unless given here), e.g. quantization, max_num_seqs, enforce_eager, "
     "gpu_memory_utilization, enable_prefix_caching.")
 
+DRAFTER_ENGINE_DESCRIPTION = ("What executes a model drafter (kind 'model'): 'native', or 'vllm' (greedy drafts; for "
+                              "a target on engine 'vllm').")
+
+
+def check_drafter_engine(drafter_engine: str, target_engine: str) -> None:
+    if drafter_engine == "vllm" and target_engine != "vllm":
+        raise ValueError("drafter.engine 'vllm' drafts greedily, which needs a target on engine 'vllm'")
+
 
 def check_engine_kwargs(engine: str, kwargs: dict[str, Any], prefill_chunk_tokens: int | None = None) -> None:
     if engine == "vllm" and prefill_chunk_tokens is not None:

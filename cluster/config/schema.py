@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from cluster.config.engines import ENGINE_DESCRIPTION, ENGINE_KWARGS_DESCRIPTION, Engine, check_engine_kwargs
+from cluster.config.engines import (DRAFTER_ENGINE_DESCRIPTION, ENGINE_DESCRIPTION, ENGINE_KWARGS_DESCRIPTION, Engine,
+                                    check_drafter_engine, check_engine_kwargs)
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
@@ -64,9 +65,7 @@ class ModelSpec(_Strict):
         None, ge=1, description="Prompt tokens fed per unit step between decode rounds (chunked prefill), so a long "
         "prompt does not stall the streams decoding beside it; None prefills each prompt whole.",
     )
-    resources: ActorResources = Field(
-        default_factory=ActorResources, description="Ray resources of each target shard actor."
-    )
+    resources: ActorResources = Field(default_factory=ActorResources, description="Ray resources of each target shard actor.")
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = Field(
         "STRICT_PACK", description="Placement group strategy of the shards; STRICT_PACK keeps them on one node."
     )
@@ -107,8 +106,8 @@ class DrafterSpec(_Strict):
         65536, ge=0, description="Tokens of recent outputs a unit keeps to draft from (suffix); 0 turns it off.")
     dtype: Dtype = Field("float32", description="Drafter model dtype (kind 'model').")
     device: Device = Field("cpu", description="Where the drafter runs.")
-    engine: Engine = Field("native", description="What executes a model drafter (kind 'model'): 'native' "
-                           "('vllm' is reserved: not built yet).")
+    engine: Engine = Field("native", description=DRAFTER_ENGINE_DESCRIPTION)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description=ENGINE_KWARGS_DESCRIPTION)
     resources: ActorResources = Field(default_factory=ActorResources, description="Ray resources of the drafter actor.")
 
     @model_validator(mode="after")
@@ -121,9 +120,9 @@ class DrafterSpec(_Strict):
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if 0 < self.suffix_cache_tokens < 64:
             raise ValueError("suffix_cache_tokens must be 0 (off) or >= 64")
-        if self.engine == "vllm":
-            raise ValueError("drafter.engine 'vllm' is not built yet: a model drafter runs on the native engine "
-                             "in its own actor, beside a target on either engine")
+        if self.engine == "vllm" and self.kind != "model":
+            raise ValueError(f"engine 'vllm' is for model drafters (kind 'model'), not kind {self.kind!r}")
+        check_engine_kwargs(self.engine, self.engine_kwargs)
         if self.device == "cuda" and self.resources.num_gpus <= 0:
             raise ValueError("resources.num_gpus must be > 0 when device is 'cuda'")
         return self
@@ -389,6 +388,7 @@ class SpecServeConfig(_Strict):
                 raise ValueError(f"audit.reference_arm {reference.name!r} must be an exact arm")
         if self.target.max_seq_len is not None and self.serving.max_tokens_limit >= self.target.max_seq_len:
             raise ValueError("serving.max_tokens_limit must be < target.max_seq_len (the prompt needs room)")
+        check_drafter_engine(self.drafter.engine, self.target.engine)
         return self
 
     def arm(self, name: str) -> ArmConfig:

@@ -200,10 +200,15 @@ def test_engine_vllm_config_fields_and_their_checks():
             parse_config({**base, "target": {**base["target"], **change}})
     model = parse_config({**base, "drafter": {"kind": "model", "source": "embedded:smollm2"}})
     assert model.drafter.kind == "model" and model.drafter.engine == "native"
-    with pytest.raises(ConfigError, match="not built yet"):
-        parse_config({**base, "drafter": {"kind": "model", "source": "embedded:smollm2", "engine": "vllm"}})
-    with pytest.raises(ConfigError, match="not built yet"):
+    on_vllm = parse_config({**base, "drafter": {"kind": "model", "source": "embedded:smollm2", "engine": "vllm",
+                                                "engine_kwargs": {"enforce_eager": True}}})
+    assert on_vllm.drafter.engine == "vllm" and on_vllm.drafter.engine_kwargs == {"enforce_eager": True}
+    with pytest.raises(ConfigError, match="for model drafters"):
         parse_config({**base, "drafter": {"kind": "ngram", "engine": "vllm"}})
+    native_target = {**base["target"], "engine": "native", "engine_kwargs": {}}
+    with pytest.raises(ConfigError, match="needs a target on engine 'vllm'"):
+        parse_config({**base, "target": native_target,
+                      "drafter": {"kind": "model", "source": "embedded:smollm2", "engine": "vllm"}})
 
 
 def test_a_config_naming_vllm_fails_at_load_naming_the_extra_when_vllm_is_missing(monkeypatch):

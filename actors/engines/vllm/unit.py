@@ -123,7 +123,8 @@ class VllmUnit:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from actors.engines.vllm.plugin import ERRORS_ENV, PARENT_DEATH_ENV
+        from actors.engines.vllm import PARENT_DEATH_ENV
+        from actors.engines.vllm.plugin import ERRORS_ENV
 
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's workers must not fork Ray or torch
         os.environ[PARENT_DEATH_ENV] = "1"  # vLLM's processes end with this one (plugin._die_with_parent)

@@ -314,3 +314,20 @@ def test_a_killed_drafter_actor_degrades_to_target_only(model_unit, tokenizer, p
         if not again.record.degraded and again.record.draft_tokens:
             break
     assert again.token_ids == plain_greedy[0] and not again.record.degraded and again.record.draft_tokens > 0
+
+
+def test_a_model_drafter_on_vllm_in_its_own_actor_is_greedy_identical(ray_cluster, tokenizer, plain_greedy):
+    """`drafter.engine: vllm`: the drafter's own actor runs SmolLM2 on vLLM (prefix-cached contexts)."""
+    drafter = DrafterSetup(kind="model", source=SOURCE, engine="vllm", resources={"num_cpus": 0},
+                           engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20})
+    unit = VllmUnit(unit="test-vllm-vdraft", setup=VllmSetup(SOURCE, max_slots=16, max_seq_len=1024,
+                                                             engine_kwargs=ENGINE),
+                    drafter=drafter, policy={**POLICY, "fixed_gamma": 4}).start()
+    try:
+        results = unit.generate_many_sync([greedy(f"vd{i}", p) for i, p in enumerate(prompts(tokenizer))])
+    finally:
+        unit.close_sync()
+    assert [r.token_ids for r in results] == plain_greedy
+    drafted = sum(r.record.draft_tokens for r in results)
+    accepted = sum(r.record.accepted_tokens for r in results)
+    assert drafted > 0 and accepted / drafted > 0.8 and not any(r.record.degraded for r in results)
