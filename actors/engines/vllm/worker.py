@@ -31,7 +31,7 @@ from actors.drafting import DrafterSetup, make_drafter
 from actors.policy import PolicyCore
 from policies import PAD_TOKEN_ID
 from policies.asd import ASDConfig, verify_asd_scores
-from policies.scores import compact_scores
+from policies.scores import TargetScores, compact_scores
 
 log = logging.getLogger(__name__)
 
@@ -234,18 +234,26 @@ class WorkerState:
             state = self.requests[rid] if rid is not None else None
             if state is not None and state.asd is not None:
                 groups.setdefault(state.asd, []).append((b, rid, k))
+        if not groups:
+            return
         sampled = sampler_output.sampled_token_ids  # [B, max_spec_len + 1]
+        # one host copy of each metadata tensor per step, not one per row (each is a sync on a GPU)
+        all_drafts = metadata.draft_token_ids.long().cpu()  # [sum K_b]
+        all_targets = metadata.target_logits_indices.long().cpu()  # [sum K_b]
+        bonus = metadata.bonus_logits_indices.long().cpu()  # [B]
         for config, rows in groups.items():
             kmax = max(k for _, _, k in rows)
             draft_ids = torch.full((len(rows), kmax), PAD_TOKEN_ID, dtype=torch.long)  # [N, Kmax]
             index = torch.empty((len(rows), kmax + 1), dtype=torch.long)  # [N, Kmax + 1] rows of `logits`
             for j, (b, _, k) in enumerate(rows):
                 s = int(starts[b])
-                draft_ids[j, :k] = metadata.draft_token_ids[s : s + k].long().cpu()
-                index[j, :k] = metadata.target_logits_indices[s : s + k].long().cpu()
-                index[j, k:] = int(metadata.bonus_logits_indices[b])  # the bonus row, repeated as padding
-            target_logits = logits[index.to(logits.device)].float().cpu()  # [N, Kmax + 1, V]
-            scores = compact_scores(draft_ids, target_logits, validate=False)
+                draft_ids[j, :k] = all_drafts[s : s + k]
+                index[j, :k] = all_targets[s : s + k]
+                index[j, k:] = bonus[b]  # the bonus row, repeated as padding
+            # reduced over the vocabulary where the logits are; only [N, Kmax + 1] scores come to the host
+            target_logits = logits[index.to(logits.device)].float()  # [N, Kmax + 1, V]
+            scores = compact_scores(draft_ids.to(logits.device), target_logits, validate=False)
+            scores = TargetScores(scores.argmax_ids.cpu(), scores.argmax_logits.cpu(), scores.draft_logits.cpu())
             ledgers = [self.policy.ledgers[rid] for _, rid, _ in rows]
             spent_before = [ledger.spent for ledger in ledgers]
             lens = torch.tensor([k for _, _, k in rows])  # [N]
