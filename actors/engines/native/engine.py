@@ -13,6 +13,11 @@ Two ways to run a forward:
 
 The host's work per forward is bookkeeping over the rows and one host-to-device copy of the round's ints; a
 drafter may pass its sampled tokens as a device tensor, so its loop never waits for the device.
+
+An eager forward whose padding would be most of its B·T tokens runs **packed rows** (`model.Packing`): the
+projections and the MLP see the real tokens only. That is what lets a unit feed a 32-token prompt chunk in the
+same forward as decode rows of a few tokens (`actors.prefill`) for about the price of the decode rows alone:
+padded, 7 decode rows beside one chunk would cost 8·32 tokens of GEMMs instead of 7·5 + 32.
 """
 
 from __future__ import annotations
@@ -26,13 +31,21 @@ from torch import Tensor
 from actors.devices import to_device
 from actors.engines.native.graphs import StaticForward, batch_bucket
 from actors.engines.native.kv_cache import CacheBatch, SlotCache, aligned
-from actors.engines.native.model import CausalLM
+from actors.engines.native.model import CausalLM, Packing
 from actors.engines.native.packed import can_pack
 
 log = logging.getLogger(__name__)
 
 POSITION_ALIGN = 128  # a preallocated cache holds max_seq_len + 1 (the junk position) rounded up to this
 MEMORY_SHARE = 0.9  # a preallocated cache may take at most this share of the device's free memory
+PACK_MIN_PADDING = 16  # an eager forward packs its rows when padding is at least this many tokens ...
+PACK_MIN_SHARE = 0.5  # ... and at least this share of B·T (below that, the gathers cost more than they save)
+
+
+def packs_rows(counts: Sequence[int]) -> bool:
+    """Whether an eager forward of rows with these new-token counts runs packed (see the module docstring)."""
+    padding = len(counts) * max(counts) - sum(counts)
+    return padding >= PACK_MIN_PADDING and padding >= PACK_MIN_SHARE * len(counts) * max(counts)
 
 
 class Engine:
@@ -174,17 +187,21 @@ class Engine:
             host.append(torch.tensor([list(tokens[b]) + [0] * (T - counts[b]) for b in order]))  # [B, T] padded
         if logit_index is not None:
             host.append(logit_index[order_t])  # [B, K]
+        pack = packs_rows(counts)
+        if pack:  # the real positions, row-major in slot order
+            host.append(torch.cat([torch.arange(counts[b]) + i * T for i, b in enumerate(order)]))  # [N]
         moved = to_device(host, self.device)
         slots_d, starts_d, counts_d, order_d, inverse_d = moved[:5]
         rest = moved[5:]
         ids = tokens[order_d] if isinstance(tokens, Tensor) else rest.pop(0)  # [B, T]
         index = rest.pop(0) if logit_index is not None else None
+        packing = Packing(rest.pop(0), len(counts), T) if pack else None
         lo = sorted_slots[0]
         contiguous = sorted_slots == list(range(lo, lo + len(slots)))
         kv_len = min(aligned(end), self.cache.capacity)
         batch = CacheBatch.build(slots_d, starts_d, counts_d, T, kv_len, (lo, lo + len(slots)) if contiguous else None,
                                  self.cache.junk, self.model.dtype, self._group, self._windows)
-        logits = self.model(ids, self.cache, batch, index)  # [B, K or T, V] in slot order
+        logits = self.model(ids, self.cache, batch, index, packing)  # [B, K or T, V] in slot order
         return logits if order == sorted(order) else logits[inverse_d]
 
     def _pack(self, packed: bool | None) -> None:

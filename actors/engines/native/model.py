@@ -8,8 +8,11 @@ Terms:
 - **slot**: a row of the KV cache; the Engine maps each sequence id to one slot.
 - **start**: how many positions a row already has cached; its new tokens take positions start, start+1, ...
 - **ragged batch**: B rows with different starts and different numbers of new tokens, right-padded to T.
-  Padded positions are computed and written to the cache like real ones (past the row's length, so they are
-  never attended to by a real query and are overwritten by the next append).
+  Padded positions write their keys and values to the cache's junk position, never read by a real query.
+- **packed rows** (`Packing`): when padding is a large share of B·T (a 32-token prompt chunk beside decode rows
+  of a few tokens), the residual stream, the norms, the projections and the MLP run on the N real tokens only
+  ([N, hidden]); q/k/v are scattered to the padded [B, T] layout for RoPE, the cache and attention, and the
+  attention output is gathered back. A row's arithmetic is the same either way, the padding's is skipped.
 - **tensor parallel**: with `args.tp_size > 1` the module holds one Megatron shard (see actors.sharding):
   q/k/v and gate/up hold this rank's heads / columns, o_proj and down_proj are row-split and their outputs
   are summed over the group with an all-reduce. Embedding, norms and lm_head are replicated.
@@ -181,6 +184,25 @@ def all_reduce(x: Tensor, args: ModelArgs, group) -> Tensor:
     return x
 
 
+@dataclass(frozen=True)
+class Packing:
+    """The real tokens of a padded [B, T] batch: `index` [N] into the flattened B·T positions, row-major."""
+
+    index: Tensor  # [N] long, on the model's device
+    rows: int  # B
+    width: int  # T
+
+    def scatter(self, x: Tensor) -> Tensor:
+        """[N, F] -> [B, T, F], zeros at padded positions."""
+        out = x.new_zeros(self.rows * self.width, x.shape[-1])
+        out[self.index] = x
+        return out.view(self.rows, self.width, x.shape[-1])
+
+    def gather(self, x: Tensor) -> Tensor:
+        """[B, T, F] -> [N, F]."""
+        return x.reshape(self.rows * self.width, x.shape[-1])[self.index]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int, tp_group=None):
         super().__init__()
@@ -203,10 +225,15 @@ class Attention(nn.Module):
             self.qkv_proj = fuse_linear(self.q_proj, self.k_proj, self.v_proj)
             del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, batch: CacheBatch) -> Tensor:
-        B, T, _ = x.shape  # x [B, T, hidden]
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, batch: CacheBatch,
+                pack: Packing | None = None) -> Tensor:
+        # x [B, T, hidden], or [N, hidden] with `pack`
+        B, T = (pack.rows, pack.width) if pack is not None else x.shape[:2]
         d, h, kv = self.args.head_dim, self.args.num_heads, self.args.num_kv_heads
-        qkv = self.qkv_proj(x).view(B, T, h + 2 * kv, d)  # [B, T, Hq + 2 Hkv, D]
+        qkv = self.qkv_proj(x)  # [B, T | N, (Hq + 2 Hkv)·D]
+        if pack is not None:
+            qkv = pack.scatter(qkv)  # [B, T, (Hq + 2 Hkv)·D]
+        qkv = qkv.view(B, T, h + 2 * kv, d)  # [B, T, Hq + 2 Hkv, D]
         q, k, v = qkv.split((h, kv, kv), dim=2)  # [B, T, Hq | Hkv | Hkv, D]
         if self.args.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -217,7 +244,9 @@ class Attention(nn.Module):
         q = q.view(B, T, kv, g, d).permute(0, 2, 3, 1, 4).reshape(B, kv, g * T, d)  # [B, Hkv, G*T, D]
         out = self.attention_fn(q, keys, values, attn_mask=batch.biases[self.window])  # [B, Hkv, G*T, D]
         out = out.view(B, kv, g, T, d).permute(0, 3, 1, 2, 4).reshape(B, T, h * d)  # [B, T, Hq*D]
-        return all_reduce(self.o_proj(out), self.args, self.tp_group)  # [B, T, hidden]
+        if pack is not None:
+            out = pack.gather(out)  # [N, Hq*D]
+        return all_reduce(self.o_proj(out), self.args, self.tp_group)  # [B, T | N, hidden]
 
 
 class MLP(nn.Module):
@@ -247,8 +276,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, batch: CacheBatch) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, batch: CacheBatch,
+                pack: Packing | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch, pack)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -316,19 +346,23 @@ class CausalLM(nn.Module):
         return cos[:, :, None, :], sin[:, :, None, :]
 
     @torch.inference_mode()
-    def forward(self, tokens: Tensor, cache: SlotCache, batch: CacheBatch, logit_index: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, cache: SlotCache, batch: CacheBatch, logit_index: Tensor | None = None,
+                pack: Packing | None = None) -> Tensor:
         """Append `tokens` [B, T] to the batch's slots and return logits.
 
         logit_index [B, K] (positions within each row's T new tokens) selects which logits rows to compute:
         the lm_head over a 49152-token vocabulary dominates small-model steps, and prefill needs one row.
+        `pack` runs the real tokens only (see the module docstring); logit_index must then select real ones.
         Returns [B, K, V] (or [B, T, V] when logit_index is None).
         """
-        x = self.embed_tokens(tokens)  # [B, T, hidden]
+        x = self.embed_tokens(tokens if pack is None else pack.gather(tokens[..., None])[:, 0])  # [B, T | N, hidden]
         if self.packed:
             x = x.float()  # the residual stream stays fp32; bf16 GEMM outputs are added to it
         cos, sin = self.rope(batch.positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, batch)
+            x = layer(x, cos, sin, cache, batch, pack)
+        if pack is not None:
+            x = pack.scatter(x)  # [B, T, hidden] (padding: zeros, never selected)
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, hidden]
         logits = self.lm_head(self.norm(x))  # [B, K, V]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engines.native.engine import Engine
+from actors.engines.native.engine import Engine, packs_rows
 from actors.engines.native.kv_cache import POSITION_CHUNK, SLOT_CHUNK
 from actors.engines.native import load_model
 
@@ -126,3 +126,25 @@ def test_a_failed_forward_leaves_no_new_sequence(model, monkeypatch):
     with pytest.raises(RuntimeError, match="device lost"):
         engine.forward(["a", "b"], [[3], [4]])
     assert engine.active_ids() == ["a"] and engine.length("a") == 2
+
+
+def test_a_prompt_chunk_beside_decode_rows_runs_packed_with_each_rows_logits(model):
+    """A 32-token chunk beside rows of 1-3 tokens: most of B·T is padding, so the forward runs the real tokens
+    only (model.Packing); each row's logits equal that row's forward alone."""
+    g = torch.Generator().manual_seed(3)
+    contexts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (40, 17, 9, 0)]
+    new = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (1, 3, 2, 32)]
+    assert packs_rows([len(t) for t in new]) and not packs_rows([5, 5, 4]) and not packs_rows([3, 1])
+    alone = []
+    for context, tokens in zip(contexts, new):
+        engine = Engine(model, max_slots=1)
+        if context:
+            engine.forward(["s"], [context])
+        alone.append(engine.forward(["s"], [tokens])[0, : len(tokens)])
+    engine = Engine(model, max_slots=4)
+    ids = ["a", "b", "c", "d"]
+    engine.forward(ids[:3], contexts[:3])
+    together = engine.forward(ids, new, [len(t) for t in new])  # [4, 32, V]
+    for b, tokens in enumerate(new):
+        torch.testing.assert_close(together[b, : len(tokens)], alone[b], atol=ATOL, rtol=0)
+    assert [engine.length(i) for i in ids] == [41, 20, 11, 32]

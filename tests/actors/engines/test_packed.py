@@ -90,6 +90,27 @@ def test_a_ragged_batch_row_equals_the_row_alone(graphs, seed):
         assert torch.equal(together[i, : len(c)], alone[i])
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_packed_rows_a_prompt_chunk_beside_decode_rows_equal_each_row_alone(seed):
+    """Bitwise: a 32-token prompt chunk fed in the same forward as decode rows (the engine packs the rows,
+    `model.Packing`) changes no row's logits, so chunked prefill keeps greedy identity in bf16."""
+    model = tiny(seed)
+    contexts = [prompt(30 + i, CONTEXT - 100 * i) for i in range(3)] + [[]]
+    new = [prompt(40 + i, n) for i, n in enumerate((1, 3, 2, 32))]
+    alone = []
+    for context, tokens in zip(contexts, new):
+        engine = Engine(model, max_slots=1)
+        if context:
+            engine.forward(["s"], [context], [1])
+        alone.append(engine.forward(["s"], [tokens])[0, : len(tokens)])
+    engine = Engine(model, max_slots=4, max_seq_len=512)
+    ids = ["a", "b", "c", "d"]
+    engine.forward(ids[:3], contexts[:3], [1] * 3)
+    together = engine.forward(ids, new)  # [4, 32, V]
+    for b, tokens in enumerate(new):
+        assert torch.equal(together[b, : len(tokens)], alone[b])
+
+
 @pytest.mark.parametrize("m", [2, 3, 7, 16, 40])
 @pytest.mark.parametrize("k_in", [64, 576, 1536])
 def test_packed_linear_rows_do_not_depend_on_the_row_count(m, k_in):
