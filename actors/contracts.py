@@ -139,14 +139,15 @@ class TargetBatch:
     draft_lens: torch.Tensor  # [B] long
     sampling: list[SamplingSpec]  # per row
     draft_probs: torch.Tensor | None = None  # [B, Kmax, V] q rows of a model drafter, None = one-hot q
-    prefill: bool = False  # rows are prompts: only the last position is scored
+    prompt_rows: int = 0  # the last this many rows are prompt chunks: only their last position is scored
     # row -> its arm's ASDConfig, for sampled rows an ASD arm verifies with the relaxed rule
     # (`policies.asd_sampled`): the target returns their SampledScores instead of sampling them in place
     relaxed_sampled: dict[int, ASDConfig] = field(default_factory=dict)
 
     def num_logits(self) -> list[int]:
-        """Logit rows each row needs: the last prompt position at prefill, pending + drafts otherwise."""
-        return [1] * len(self.tokens) if self.prefill else [len(t) for t in self.tokens]
+        """Logit rows each row needs: pending + drafts, and the last position of a prompt chunk."""
+        decode = len(self.tokens) - self.prompt_rows
+        return [len(t) for t in self.tokens[:decode]] + [1] * self.prompt_rows
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,21 @@ class TargetResult:
     forward_s: float = 0.0  # model forward time inside the target
     sampled_scores: dict[int, SampledScores] = field(default_factory=dict)  # row -> [1, Kmax] on the CPU
     # (the rows of `TargetBatch.relaxed_sampled`; their decision and charge happen in the policy)
+
+
+def split_result(result: TargetResult, rows: int) -> tuple[TargetResult, TargetResult]:
+    """Rows [0, rows) and the rest of a result as two, each indexed from 0 (a round's decode rows and the
+    prompt chunks fed in the same forward). Both keep the forward's time."""
+    def part(lo: int, hi: int | None) -> TargetResult:
+        def pick(by_row: dict) -> dict:
+            return {b - lo: v for b, v in by_row.items() if b >= lo and (hi is None or b < hi)}
+
+        s = result.scores
+        scores = TargetScores(s.argmax_ids[lo:hi], s.argmax_logits[lo:hi], s.draft_logits[lo:hi])
+        return TargetResult(scores, pick(result.sampled_tokens), pick(result.sampled_accepted), result.forward_s,
+                            pick(result.sampled_scores))
+
+    return part(0, rows), part(rows, None)
 
 
 class Engine(Protocol):
@@ -213,6 +229,7 @@ class RoundReport:
     score_s: float  # target forward time for the round
     score_tokens: int  # tokens fed per row (max over rows: the padded width of the forward)
     drafts: tuple[tuple[tuple[float, ...], int] | None, ...] = ()  # per entry of rows: (confidence, match length)
+    prompt_tokens: int = 0  # prompt-chunk tokens fed in the same forward: score_s is then not a v(γ) sample
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 
 from actors.contracts import (ASDBatch, DraftBatch, DraftRequest, DrafterBackend, Engine, LedgersLost, PolicyBackend,
-                              PolicyUnavailable, RoundReport, RowKey, TargetBackend, TargetBatch, TargetResult)
-from actors.prefill import prefill_batch
+                              PolicyUnavailable, RoundReport, RowKey, TargetBackend, TargetBatch, TargetResult,
+                              split_result)
+from actors.prefill import PrefillChunk, prefill_batch
 from actors.requests import (EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams,
                              collect)
 from actors.scheduler import RowOutcome, Scheduler, SequenceState
@@ -160,9 +161,9 @@ class Coordinator:
                 await self._wake.wait()
             try:
                 await self._apply_aborts()
-                await self._admit()
+                chunks = await self._admit()
                 if self.scheduler.active:
-                    await self._round()
+                    await self._round(chunks)
                 await asyncio.sleep(0)  # local backends never suspend: let consumers and aborts run
             except asyncio.CancelledError:
                 raise
@@ -177,14 +178,20 @@ class Coordinator:
         for seq in active:
             await self._finish(seq, "abort")
 
-    async def _admit(self) -> None:
-        """Admit, and feed one step of prompt chunks (`actors.prefill`); a cached prompt emits its first token."""
+    async def _admit(self) -> list[PrefillChunk]:
+        """Admit, and plan this step's prompt chunks (`actors.prefill`). While streams decode, the chunks are
+        returned to ride in the round's forward; otherwise they are fed here."""
         for seq in self.scheduler.admit():
             await self._with_policy(lambda s=seq: self.policy.open_request(s.rid, s.budget))
         chunks = self.scheduler.prefill_chunks()
-        if not chunks:
-            return
-        result = await self.target.step(prefill_batch(chunks))
+        if not chunks or self.scheduler.active:
+            return chunks
+        await self._prefilled(chunks, await self.target.step(prefill_batch(chunks)))
+        return []
+
+    async def _prefilled(self, chunks: list[PrefillChunk], result: TargetResult) -> None:
+        """Record fed chunks; a prompt now cached gets its γ plan and emits its first token (row b of `result`
+        is chunk b)."""
         new = self.scheduler.prefilled(chunks)
         if not new:
             return
@@ -197,7 +204,7 @@ class Coordinator:
             seq.first_token_s = now
             await self._commit(seq, RowOutcome([token], accepted=0), drafted=0, is_round=False)
 
-    async def _round(self) -> None:
+    async def _round(self, chunks: list[PrefillChunk]) -> None:
         started, t0 = self.clock(), time.perf_counter()
         await self.scheduler.refresh_plan()
         rows = list(self.scheduler.active)
@@ -212,15 +219,20 @@ class Coordinator:
             sampling=[s.request.params.spec() for s in rows], draft_probs=draft.draft_probs,
             relaxed_sampled=relaxed_sampled(rows),
         )
+        if chunks:  # prompt chunks ride in the same forward, after the decode rows
+            batch = prefill_batch(chunks, batch)
         t_score = time.perf_counter()
         result = await self.target.step(batch)  # 3. score
         score_s = time.perf_counter() - t_score
+        if chunks:
+            result, prompts = split_result(result, len(rows))
         t_verify = time.perf_counter()
         outcomes = exact_outcomes(rows, batch, result)  # 4. verify: exact rows here
         report = RoundReport(
             rows=tuple((s.key(), lens[b], o.accepted) for b, (s, o) in enumerate(zip(rows, outcomes)) if o),
             batch_size=len(rows), draft_step_s=draft_s / max(1, max(lens)), score_s=result.forward_s or score_s,
             score_tokens=max(lens) + 1, drafts=tuple(draft.row_confidence(b) for b, o in enumerate(outcomes) if o),
+            prompt_tokens=sum(c.end - c.start for c in chunks),
         )
         await self._settle_round(rows, batch, result, report, outcomes)  # 4. ASD rows + 6. stats in the policy
         verify_s = time.perf_counter() - t_verify
@@ -231,6 +243,8 @@ class Coordinator:
                                            time.perf_counter() - t0, records, result.forward_s))
         for seq, outcome, drafted in zip(rows, outcomes, lens):  # 5. commit
             await self._commit(seq, outcome, drafted=drafted)
+        if chunks:
+            await self._prefilled(chunks, prompts)
 
     # --- draft -------------------------------------------------------------------------------------------
     async def _draft(self, rows: list[SequenceState], gammas: list[int]) -> tuple[DraftBatch, float]:

@@ -80,8 +80,9 @@ class PolicyCore:
             for (key, gamma, accepted), draft in zip(report.rows, drafts):
                 confidence, match_len = draft if draft and gamma else ((), 0)
                 self.gamma.observe(key.request_id, key.arm, gamma, accepted, confidence, match_len)
-            self.gamma.observe_costs(report.batch_size, report.draft_step_s or None,
-                                     {report.score_tokens: report.score_s})
+            # a forward that also fed prompt chunks says nothing about the cost of scoring drafts
+            scored = {} if report.prompt_tokens else {report.score_tokens: report.score_s}
+            self.gamma.observe_costs(report.batch_size, report.draft_step_s or None, scored)
         plan = [self.seeded_gamma if r.seeded else self.gamma.choose(r.request_id, r.arm, batch_size)
                 for r in plan_for]
         return verdict, plan

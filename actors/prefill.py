@@ -16,6 +16,11 @@ already decoding one of them waited for each other chunk by chunk, and `concurre
 1.2 (docs/benchmarks.md). With a per-sequence budget, a burst of k new prompts costs the running streams at
 most k·C prompt tokens a step, and k is bounded by the unit's slots (`target.max_batch_size`).
 
+**One forward per step.** While streams decode, a step's chunks ride in the decode round's forward, as rows
+after the decode rows (`prefill_batch(chunks, decode)`): the engine packs its rows (`actors.engines.native.model`,
+packed rows), so a 32-token chunk beside decode rows of a few tokens costs its own tokens, not a second pass
+over the weights. A unit with no decoding stream feeds its prompts in a step of their own, as before.
+
 Chunk boundaries are **aligned**: a sequence's chunks are prompt positions [kC, min((k+1)C, len)), whatever
 else is prefilling, so how a prompt is split depends on the prompt and C only, never on other traffic.
 Only a prompt's **last** chunk is sampled
@@ -25,7 +30,7 @@ random numbers for them and reproduces whether or not its prompt was chunked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -74,13 +79,27 @@ def plan_chunks(prefilling: list[Prefilling], budget: int | None) -> list[Prefil
     return chunks
 
 
-def prefill_batch(chunks: list[PrefillChunk]) -> TargetBatch:
-    """The target step that feeds `chunks`: no crop, no drafts, the last position scored per row."""
+def prefill_batch(chunks: list[PrefillChunk], decode: TargetBatch | None = None) -> TargetBatch:
+    """The target step that feeds `chunks`: no crop, no drafts, the last position scored per chunk; with
+    `decode`, that round's rows first and the chunks after them (`TargetBatch.prompt_rows`)."""
     n = len(chunks)
-    return TargetBatch(
-        seq_ids=[c.seq.rid for c in chunks], crops=[NO_CROP] * n,
-        tokens=[c.seq.tokens[c.start : c.end] for c in chunks],
-        draft_ids=torch.full((n, 1), PAD_TOKEN_ID, dtype=torch.long),  # [B, 1]
-        draft_lens=torch.zeros(n, dtype=torch.long),  # [B]
-        sampling=[c.seq.request.params.spec() if c.last else GREEDY for c in chunks], prefill=True,
+    sampling = [c.seq.request.params.spec() if c.last else GREEDY for c in chunks]
+    tokens = [c.seq.tokens[c.start : c.end] for c in chunks]
+    if decode is None:
+        return TargetBatch(
+            seq_ids=[c.seq.rid for c in chunks], crops=[NO_CROP] * n, tokens=tokens,
+            draft_ids=torch.full((n, 1), PAD_TOKEN_ID, dtype=torch.long),  # [n, 1]
+            draft_lens=torch.zeros(n, dtype=torch.long),  # [n]
+            sampling=sampling, prompt_rows=n,
+        )
+    width = decode.draft_ids.shape[1]
+    probs = decode.draft_probs
+    if probs is not None:  # chunk rows draft nothing: zero q rows
+        probs = torch.cat([probs, probs.new_zeros(n, *probs.shape[1:])])  # [B + n, Kmax, V]
+    return replace(
+        decode, seq_ids=decode.seq_ids + [c.seq.rid for c in chunks], crops=decode.crops + [NO_CROP] * n,
+        tokens=decode.tokens + tokens,
+        draft_ids=torch.cat([decode.draft_ids, torch.full((n, width), PAD_TOKEN_ID, dtype=torch.long)]),
+        draft_lens=torch.cat([decode.draft_lens, torch.zeros(n, dtype=torch.long)]),  # [B + n]
+        sampling=decode.sampling + sampling, draft_probs=probs, prompt_rows=n,
     )

@@ -56,7 +56,7 @@ def test_only_the_last_chunk_samples():
     s.prefilled = 32
     last, = plan_chunks([s], 32)
     batch = prefill_batch([last])
-    assert last.last and batch.sampling[0].seed == 3 and batch.tokens == [list(range(32, 50))] and batch.prefill
+    assert last.last and batch.sampling[0].seed == 3 and batch.tokens == [list(range(32, 50))] and batch.prompt_rows == 1
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +134,20 @@ def test_an_idle_unit_prefills_whole_prompts(tiny):
 
 
 class Recording:
-    """A TargetBackend that logs each step: ("prefill", most tokens fed for one sequence, ids) or ("round", rows)."""
+    """A TargetBackend that logs each step's parts: ("round", decode rows, step) and ("prefill", most tokens fed
+    for one sequence, ids, step); a step that feeds prompt chunks beside decode rows logs both, round first."""
 
     def __init__(self, inner):
-        self.inner, self.log = inner, []
+        self.inner, self.log, self.steps = inner, [], 0
 
     async def step(self, batch):
-        fed = max(len(t) for t in batch.tokens)
-        self.log.append(("prefill", fed, tuple(batch.seq_ids)) if batch.prefill else ("round", len(batch.seq_ids)))
+        decode = len(batch.seq_ids) - batch.prompt_rows
+        if decode:
+            self.log.append(("round", decode, self.steps))
+        if batch.prompt_rows:
+            fed = max(len(t) for t in batch.tokens[decode:])
+            self.log.append(("prefill", fed, tuple(batch.seq_ids[decode:]), self.steps))
+        self.steps += 1
         return await self.inner.step(batch)
 
     def __getattr__(self, name):
@@ -159,6 +165,8 @@ def test_decode_rounds_run_between_a_long_prompts_chunks(tiny):
     assert len(long_steps) == 13 and all(log[i][1] <= 32 for i in long_steps)
     # every gap between two of the long prompt's chunks holds a decode round of the running stream
     assert all(any(log[j][0] == "round" for j in range(a + 1, b)) for a, b in zip(long_steps, long_steps[1:]))
+    # and each chunk rides in the same forward as a decode round (one forward per unit step)
+    assert all(log[i - 1][0] == "round" and log[i - 1][2] == log[i][3] for i in long_steps)
     reference = unit(tiny, None).generate_sync(GenerationRequest("ref", long_prompt, SamplingParams(max_tokens=4)))
     assert out == reference.token_ids
 

@@ -61,7 +61,7 @@ def _round(step: TargetStep, prefill: bool):
     if prefill:
         return TargetBatch(["g", "s", "t"], [NO_CROP] * 3, [p[:] for p in PROMPTS],
                            torch.full((3, 1), PAD_TOKEN_ID), torch.zeros(3, dtype=torch.long),
-                           [greedy, seeded, SamplingSpec(temperature=1.0, top_p=0.9, seed=3)], prefill=True)
+                           [greedy, seeded, SamplingSpec(temperature=1.0, top_p=0.9, seed=3)], prompt_rows=3)
     draft = torch.tensor([[11, 12, 13], [21, 22, PAD_TOKEN_ID], [PAD_TOKEN_ID] * 3])
     q = torch.softmax(torch.randn(3, 3, step.engine.vocab_size, generator=torch.Generator().manual_seed(0)), -1)
     return TargetBatch(["g", "s", "t"], [NO_CROP] * 3, [[1, 11, 12, 13], [2, 21, 22], [3]], draft,

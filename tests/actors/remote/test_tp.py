@@ -61,7 +61,7 @@ def _batch(ids, tokens, crops=None, prefill=False):
     """A greedy TargetBatch with no drafts: each row scores its last position."""
     n = len(ids)
     return TargetBatch(list(ids), list(crops or [NO_CROP] * n), [list(t) for t in tokens], torch.full((n, 1), -1),
-                       torch.zeros(n, dtype=torch.long), [SamplingSpec()] * n, prefill=prefill)
+                       torch.zeros(n, dtype=torch.long), [SamplingSpec()] * n, prompt_rows=n if prefill else 0)
 
 
 @pytest.mark.slow
