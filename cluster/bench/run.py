@@ -1,4 +1,4 @@
-"""`specserve bench [--quick] [--out DIR] [--resume] [--skip SECTIONS] [CONFIG]`: the benchmark suite.
+"""`specserve bench [--quick] [--out DIR] [--resume] [--sections S,...] [--skip S,...] [CONFIG]`: the benchmark suite.
 
 Writes `DIR/results.json` (top-level `summary`, `goals`, `sections`, `meta`), `DIR/report.md` and PNG plots.
 Progress goes to stderr. Each section is stored under `DIR/sections/` as soon as it finishes; `--resume`
@@ -21,11 +21,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cluster.bench.plan import PRESETS, ASDSetting, BenchPlan
+from cluster.bench.plan import PRESETS, SECTIONS, ASDSetting, BenchPlan
 
 log = logging.getLogger("specserve.bench")
 
-SECTIONS = ("single", "batched", "asd", "sampled", "hf", "http", "quality")
 DEFAULT_CONFIG = "configs/local.yaml"
 TORCH_THREADS = 2
 STALL_TOLERANCE = 0.02  # a single-stream section with more stalled rounds than this is measured again,
@@ -38,7 +37,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="the quick preset (< 6 min on 2 quiet cores)")
     parser.add_argument("--out", default=None, help="output folder (default bench-out/<preset>)")
     parser.add_argument("--resume", action="store_true", help="reuse sections stored by an earlier run of this plan")
-    parser.add_argument("--skip", default="", help=f"comma-separated sections to skip: {', '.join(SECTIONS)}")
+    parser.add_argument("--sections", default=None,
+                        help=f"comma-separated sections to run (default: the preset's; quick leaves out sampled and "
+                        f"quality): {', '.join(SECTIONS)}")
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out of those")
     parser.add_argument("--workloads", default=None, help="comma-separated workloads (default: all)")
     parser.add_argument("--prompts", type=int, default=None, help="override: prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=None, help="override: max_tokens per request")
@@ -56,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def make_plan(args: argparse.Namespace) -> BenchPlan:
     plan = PRESETS["quick" if args.quick else "full"]
     update = {}
+    if args.sections:
+        update["sections"] = _section_list("--sections", args.sections)
     if args.workloads:
         workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
         update.update(workloads=workloads,
@@ -68,6 +72,14 @@ def make_plan(args: argparse.Namespace) -> BenchPlan:
         if value is not None:
             update[field] = value
     return BenchPlan.model_validate({**plan.model_dump(), **update}) if update else plan
+
+
+def _section_list(flag: str, text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = set(names) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"{flag}: unknown sections {sorted(unknown)} (known: {', '.join(SECTIONS)})")
+    return names
 
 
 class SectionStore:
@@ -155,10 +167,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
 
     config = load_config(args.config)
     plan = make_plan(args)
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = skip - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"--skip: unknown sections {sorted(unknown)} (known: {', '.join(SECTIONS)})")
+    skip = set(_section_list("--skip", args.skip)) | (set(SECTIONS) - set(plan.sections))
     out = Path(args.out or f"bench-out/{plan.name}")
     store = SectionStore(out / "sections", {"plan": plan.model_dump(mode="json"), "config": dump_config(config)},
                          args.resume)

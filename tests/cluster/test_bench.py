@@ -94,6 +94,7 @@ def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
         if isinstance(value, dict):
             assert set(value) <= {"code", "edit"}
     assert [g["key"] for g in results["goals"]] == [g.key for g in GOALS]
+    assert results["meta"]["skipped"] == ["http", "quality", "sampled"]  # quick leaves out sampled and quality
     for single in results["sections"]["single"].values():
         assert all(single["identical"].values())  # exact greedy speculation == target-only decoding
     report = (out / "report.md").read_text()
@@ -106,7 +107,8 @@ def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
 
 def test_quality_section_scores_every_arm_against_exact(tiny_config, tmp_path):
     out = tmp_path / "bench"
-    argv = ["--quick", "--out", str(out), "--skip", "batched,asd,sampled,hf,http", "--workloads", "code",
+    # quick leaves the quality section out unless --sections names it
+    argv = ["--quick", "--out", str(out), "--sections", "single,quality", "--workloads", "code",
             "--prompts", "1", "--max-tokens", "6", "--quality-problems", "2", str(tiny_config)]
     assert run_bench(argv) == 0
     results = json.loads((out / "results.json").read_text())

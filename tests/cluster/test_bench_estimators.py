@@ -46,3 +46,14 @@ def test_compare_lists_every_ratio_with_its_spread(tmp_path, capsys):
     assert compare_main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert "1 ratio(s) outside ±5%" in out and "spec_vs_target_only/edit" in out
+
+
+def test_sections_and_skip_name_known_sections_only():
+    from cluster.bench.plan import FULL, QUICK
+    from cluster.bench.run import make_plan, parse_args
+
+    assert QUICK.sections == ("single", "batched", "asd", "hf", "http") and set(FULL.sections) >= set(QUICK.sections)
+    plan = make_plan(parse_args(["--quick", "--sections", "single,sampled"]))
+    assert plan.sections == ("single", "sampled") and plan.name == "quick"
+    with pytest.raises(ValueError, match="--sections: unknown sections"):
+        make_plan(parse_args(["--sections", "single,speed"]))
