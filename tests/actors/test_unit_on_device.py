@@ -105,7 +105,8 @@ def test_a_unit_on_the_device_emits_what_the_host_unit_emits(models, tiny_llama_
         GenerationRequest("a", PROMPTS[2], SamplingParams(max_tokens=12, ignore_eos=True), asd),
         GenerationRequest("s", PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)),
     ]
-    drafter_model = load_model(tiny_llama_dir)[0].fuse_projections()
+    # a model for each side: a host Engine prepacks its model's CPU linears, which do not move to a device
+    host_drafter, drafter_model = (load_model(tiny_llama_dir)[0].fuse_projections() for _ in range(2))
 
     def run(target, drafter):
         unit = Coordinator.local(target, ModelDrafter(drafter), PolicyCore(fixed_gamma=3))
@@ -113,7 +114,7 @@ def test_a_unit_on_the_device_emits_what_the_host_unit_emits(models, tiny_llama_
 
     with fake_device():
         host_target, target = _engines(models, graphs=True)
-        expected = run(host_target, Engine(drafter_model, max_slots=4, max_seq_len=64))
+        expected = run(host_target, Engine(host_drafter, max_slots=4, max_seq_len=64))
         drafter = Engine(module_on_device(drafter_model), max_slots=4, max_seq_len=64)
         drafter.static.capture = False
         assert run(target, drafter) == expected

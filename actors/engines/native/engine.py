@@ -32,7 +32,7 @@ from actors.devices import to_device
 from actors.engines.native.graphs import StaticForward, batch_bucket
 from actors.engines.native.kv_cache import CacheBatch, SlotCache, aligned
 from actors.engines.native.model import CausalLM, Packing
-from actors.engines.native.packed import can_pack
+from actors.engines.native.packed import can_pack, can_prepack
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ class Engine:
     explicitly, it is a ValueError. The Engine fuses its model's projections (`CausalLM.fuse_projections`).
     packed: run the packed, batch-invariant CPU forward (`CausalLM.pack_for_cpu`; default: for bf16 weights on
     a CPU with native bf16, where it is also the fast path); True where that is impossible is a ValueError.
+    float32 weights on a CPU get prepacked oneDNN linears by default (`CausalLM.pack_linears`); False keeps
+    PyTorch's plain `F.linear` for both.
     """
 
     def __init__(self, model: CausalLM, max_slots: int = 64, max_seq_len: int | None = None, *,
@@ -212,6 +214,9 @@ class Engine:
                              f"parallelism, got {model.dtype} on {model.device}, tp_size {model.args.tp_size}")
         if possible and packed is not False:
             model.pack_for_cpu()
+        elif packed is not False and model.dtype == torch.float32 and model.args.tp_size == 1 and can_prepack(
+                model.device, model.dtype):
+            model.pack_linears()  # float32 on a CPU: oneDNN's prepacked GEMMs (see CausalLM.pack_linears)
         elif model.device.type == "cpu" and model.dtype == torch.bfloat16 and not model.packed and packed is None:
             log.warning("bfloat16 on this CPU runs emulated or unpacked (no AVX512-BF16/AMX-BF16, or tensor "
                         "parallel): slow, and not batch-invariant, so speculative output may differ from "

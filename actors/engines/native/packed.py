@@ -43,6 +43,13 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model's linears can run prepacked on oneDNN (`CausalLM.pack_linears`): float32 on a CPU with
+    oneDNN, or what `can_pack` allows."""
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and (dtype == torch.float32 or can_pack(device, dtype)))
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the packed path applies: bfloat16 weights on a CPU with native bf16 and oneDNN."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
@@ -52,7 +59,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """y = x Wᵀ + b with W packed (see the module docstring); replaces an inference-only `nn.Linear`.
 
-    The input is cast to the weight dtype (a float32 residual stream feeds bf16 GEMMs); the output is in it."""
+    bfloat16 or float32 weights. The input is cast to the weight dtype (a float32 residual stream feeds bf16
+    GEMMs); the output is in it. Rows are batch-invariant in both dtypes (float32 measured the same way)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

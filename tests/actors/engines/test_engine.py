@@ -148,3 +148,18 @@ def test_a_prompt_chunk_beside_decode_rows_runs_packed_with_each_rows_logits(mod
     for b, tokens in enumerate(new):
         torch.testing.assert_close(together[b, : len(tokens)], alone[b], atol=ATOL, rtol=0)
     assert [engine.length(i) for i in ids] == [41, 20, 11, 32]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_float32_on_a_cpu_runs_prepacked_linears_with_the_plain_forwards_logits(tiny_llama_dir):
+    """float32 linears run on oneDNN with weights reordered once (CausalLM.pack_linears): PyTorch's F.linear
+    takes 2-3x longer for a few rows than for one on CPUs, which made scoring drafts cost ~2x a decode step."""
+    from actors.engines.native.packed import PackedLinear
+
+    plain, prepacked = load_model(tiny_llama_dir)[0], load_model(tiny_llama_dir)[0]
+    a, b = Engine(plain, max_slots=2, packed=False), Engine(prepacked, max_slots=2)
+    assert isinstance(prepacked.lm_head, PackedLinear) and not prepacked.packed  # linears only, attention as is
+    assert not isinstance(plain.lm_head, PackedLinear)
+    ids = [[5, 6, 7, 8, 9, 10, 11], [40, 41]]
+    torch.testing.assert_close(a.forward(["x", "y"], ids), b.forward(["x", "y"], ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(a.forward(["x"], [[3, 4, 5]]), b.forward(["x"], [[3, 4, 5]]), atol=ATOL, rtol=0)
