@@ -72,7 +72,7 @@ class BenchPlan(BaseModel):
 
 QUICK = BenchPlan(
     name="quick", sections=("single", "batched", "asd", "hf", "http"),
-    prompts=2, max_tokens=32, repeats=2, gammas=(0, 2, 4, 8),
+    prompts=3, max_tokens=32, repeats=2, gammas=(0, 2, 4, 8),
     batched_workloads=("code",), batched_gammas=(0, 4),
     asd_settings=(), asd_workloads=WORKLOADS,
     hf_modes=("prompt_lookup_3", "prompt_lookup_10"),

@@ -62,8 +62,8 @@ class ModelSpec(_Strict):
     )
     max_batch_size: int = Field(8, ge=1, le=1024, description="KV cache slots: sequences decoded together per unit.")
     prefill_chunk_tokens: int | None = Field(
-        None, ge=1, description="Prompt tokens fed per unit step between decode rounds (chunked prefill), so a long "
-        "prompt does not stall the streams decoding beside it; None prefills each prompt whole.",
+        None, ge=1, description="Prompt tokens per sequence fed per unit step, in the decode round's forward "
+        "(chunked prefill), so a long prompt does not stall the streams decoding beside it; None: whole prompts.",
     )
     resources: ActorResources = Field(default_factory=ActorResources, description="Ray resources of each target shard actor.")
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = Field(
