@@ -56,7 +56,8 @@ def test_only_the_last_chunk_samples():
     s.prefilled = 32
     last, = plan_chunks([s], 32)
     batch = prefill_batch([last])
-    assert last.last and batch.sampling[0].seed == 3 and batch.tokens == [list(range(32, 50))] and batch.prompt_rows == 1
+    assert last.last and batch.sampling[0].seed == 3 and batch.prompt_rows == 1
+    assert batch.tokens == [list(range(32, 50))]
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,8 @@ def test_vs_vllm_divides_by_the_best_vllm_configuration_per_workload_and_load():
     ngram = ["specserve_exact", "specserve_asd", *GROUPS["ngram"]]
     suffix = ["specserve_exact", "specserve_suffix_exact", "vllm_suffix"]
     cells = _cells({
-        "ngram": {"code": dict(zip(ngram, [30, 45, 20, 25, 33, 28])), "edit": dict(zip(ngram, [60, 90, 30, 40, 50, 55]))},
+        "ngram": {"code": dict(zip(ngram, [30, 45, 20, 25, 33, 28])),
+                  "edit": dict(zip(ngram, [60, 90, 30, 40, 50, 55]))},
         # the suffix group drifted: specserve exact ran 10% slower there, so its ratios use its own figure
         "suffix": {"code": dict(zip(suffix, [27, 29, 32])), "edit": dict(zip(suffix, [54, 70, 35]))},
     })
