@@ -214,8 +214,7 @@ class Engine:
                              f"parallelism, got {model.dtype} on {model.device}, tp_size {model.args.tp_size}")
         if possible and packed is not False:
             model.pack_for_cpu()
-        elif packed is not False and model.dtype == torch.float32 and model.args.tp_size == 1 and can_prepack(
-                model.device, model.dtype):
+        elif packed is not False and model.args.tp_size == 1 and can_prepack(model.device, model.dtype):
             model.pack_linears()  # float32 on a CPU: oneDNN's prepacked GEMMs (see CausalLM.pack_linears)
         elif model.device.type == "cpu" and model.dtype == torch.bfloat16 and not model.packed and packed is None:
             log.warning("bfloat16 on this CPU runs emulated or unpacked (no AVX512-BF16/AMX-BF16, or tensor "

@@ -370,7 +370,7 @@ class CausalLM(nn.Module):
         `pack` runs the real tokens only (see the module docstring); logit_index must then select real ones.
         Returns [B, K, V] (or [B, T, V] when logit_index is None).
         """
-        x = self.embed_tokens(tokens if pack is None else pack.gather(tokens[..., None])[:, 0])  # [B, T | N, hidden]
+        x = self.embed_tokens(tokens if pack is None else tokens.reshape(-1)[pack.index])  # [B, T | N, hidden]
         if self.packed:
             x = x.float()  # the residual stream stays fp32; bf16 GEMM outputs are added to it
         cos, sin = self.rope(batch.positions)

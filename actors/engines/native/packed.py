@@ -44,10 +44,9 @@ def cpu_has_native_bf16() -> bool:
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model's linears can run prepacked on oneDNN (`CausalLM.pack_linears`): float32 on a CPU with
-    oneDNN, or what `can_pack` allows."""
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and (dtype == torch.float32 or can_pack(device, dtype)))
+    """Whether float32 linears can run prepacked on oneDNN (`CausalLM.pack_linears`): float32 on a CPU with
+    oneDNN (bf16 goes the whole packed way, `can_pack`)."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
