@@ -1,18 +1,10 @@
 """The contracts between the coordinator and the parts of a unit: what crosses, and who answers.
 
-A unit is a coordinator with three backends (DESIGN.md, request path):
-- a **target** (`TargetBackend`): `step(TargetBatch) -> TargetResult` per round, over its own KV caches;
-- a **drafter** (`DrafterBackend`): `propose([DraftRequest]) -> DraftBatch` per round;
-- a **policy** (`PolicyBackend`): ledgers and γ; `settle` once per round verifies ASD rows and plans γ.
-
-Backends are async because any of them may live behind a Ray actor; in-process implementations answer at
-once. Implementations: target `actors.target.LocalTarget`, `actors.remote.tp.TargetGroup`; drafter
-`actors.drafting.LocalDrafter`, `actors.remote.drafter.RemoteDrafter`; policy `actors.policy.LocalPolicy`,
-`actors.remote.policy.RemotePolicy`. Below them sit synchronous, torch-only parts: an `Engine` (sequences by
-id over a KV cache; `actors.engines.native.Engine`) and a `Drafter` (`NgramDrafter`, `ModelDrafter`).
-
-Everything that crosses is a small frozen dataclass; tensors carry a shape comment. Full-vocabulary rows
-never cross except a model drafter's q rows of sampled requests.
+A unit is a coordinator with a **target** (`TargetBackend.step(TargetBatch) -> TargetResult` per round, over
+its own KV caches), a **drafter** (`DrafterBackend.propose([DraftRequest]) -> DraftBatch`) and its local policy
+(`actors.policy.UnitPolicy`). Backends are async because any of them may live behind a Ray actor. Below them
+sit synchronous, torch-only parts: an `Engine` (sequences by id over a KV cache) and a `Drafter`. Everything
+that crosses is a small frozen dataclass; tensors carry a shape comment.
 """
 
 from __future__ import annotations
@@ -244,31 +236,3 @@ class ASDBatch:
     scores: TargetScores | SampledScores  # [A, ...] compact target scores
     config: ASDConfig
     arm: str
-
-
-class PolicyUnavailable(RuntimeError):
-    """The policy could not be reached (its actor died or is restarting)."""
-
-
-class LedgersLost(KeyError):
-    """`settle` met requests without an open ledger: the policy restarted and lost them."""
-
-    def __init__(self, request_ids: Sequence[str]):
-        super().__init__(f"no open ledger for {list(request_ids)}")
-        self.request_ids = tuple(request_ids)
-
-
-@runtime_checkable
-class PolicyBackend(Protocol):
-    async def open_request(self, request_id: str, budget: float | None, spent: float = 0.0) -> None:
-        """Open a request's state; with a budget, its ledger (`spent` > 0 restores one after a restart)."""
-
-    async def close_request(self, request_id: str) -> dict | None:
-        """Drop the request's state; its ledger summary, None for exact requests."""
-
-    async def settle(self, asd: ASDBatch | None, report: RoundReport | None, plan_for: list[RowKey],
-                     batch_size: int) -> tuple[Verdict | None, list[int]]:
-        """Verify and charge ASD rows, learn from the round's report, and plan γ for `plan_for`.
-        Raises `LedgersLost` (charging nothing) when an ASD row has no open ledger."""
-
-    async def open_ledgers(self) -> list[str]: ...

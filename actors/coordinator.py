@@ -1,23 +1,14 @@
 """The speculative loop of one unit, batched over all its active sequences.
 
-A round, for every active sequence at once (DESIGN.md, request path):
-1. γ per row from the plan the policy returned last round (`Scheduler.gammas`);
-2. the drafter proposes up to γ tokens per row (rows it has nothing for decode plainly);
-3. the target crops last round's rejected KV, feeds each row's pending token + drafts, and returns compact
-   scores (greedy, ASD), samples exactly in place (sampling), or draws `SampledScores` (sampled rows of an
-   ASD arm whose `sampled` rule is "relaxed");
-4. verify (`actors.verification`): exact greedy rows here; ASD rows are verified and charged by the policy
-   (`settle`), one call per arm and rule;
-5. commit: emitted tokens go to each request's queue; the next round's crop rolls the caches back;
-6. stats: the round's acceptance and timings go to the policy (in the same `settle` call) and the observer.
+A round, for every active sequence at once: γ per row from the plan (`Scheduler.gammas`); the drafter
+proposes; the target crops last round's rejected KV, feeds each row's pending token and drafts, and returns
+compact scores or exact samples; verification (`actors.verification`: exact rows here, ASD rows against the
+unit's ledger leases in its `UnitPolicy`); commit; the round's observations go to the policy, which reports
+them to the app's authority in the background. The same loop runs in-process and on Ray; only the backends
+differ, and outputs are identical.
 
-The same loop runs in-process and on Ray; only the backends (`actors.contracts`) differ, and outputs are
-identical. Admission, aborts and the γ plan are the `Scheduler`'s.
-
-Failures: a drafter that fails makes its rows decode target-only (same greedy output; requests marked
-degraded) until it recovers. A target that fails ends the in-flight requests with finish_reason "error" and is
-rebuilt. A policy that restarts loses its ledgers; the unit restores its own and settles again, and gives a
-policy that stays unreachable `POLICY_TIMEOUT_S` before failing the requests that need it.
+Failures: a drafter that fails makes its rows decode target-only (requests marked degraded) until it recovers.
+A target that fails ends the in-flight requests with finish_reason "error" and is rebuilt.
 """
 
 from __future__ import annotations
@@ -25,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 
-from actors.contracts import (ASDBatch, DraftBatch, DraftRequest, DrafterBackend, Engine, LedgersLost, PolicyBackend,
-                              PolicyUnavailable, RoundReport, RowKey, TargetBackend, TargetBatch, TargetResult,
-                              split_result)
+from actors.contracts import (DraftBatch, DraftRequest, DrafterBackend, Engine, RoundReport, TargetBackend, TargetBatch,
+                              TargetResult, split_result)
 from actors.prefill import PrefillChunk, prefill_batch
+from actors.policy import UnitPolicy
 from actors.requests import (EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams,
                              collect)
 from actors.scheduler import RowOutcome, Scheduler, SequenceState
@@ -43,14 +34,11 @@ log = logging.getLogger(__name__)
 __all__ = ["Coordinator", "ArmSpec", "EXACT", "GenerationChunk", "GenerationRequest", "GenerationResult",
            "SamplingParams"]
 
-POLICY_TIMEOUT_S = 30.0  # how long a round waits for a restarting policy actor before failing its requests
-POLICY_RETRY_S = 0.25
-
 
 class Coordinator:
     """Runs rounds over every active sequence of one unit."""
 
-    def __init__(self, *, target: TargetBackend, drafter: DrafterBackend | None, policy: PolicyBackend,
+    def __init__(self, *, target: TargetBackend, drafter: DrafterBackend | None, policy: UnitPolicy,
                  eos_token_ids: Sequence[int] = (), max_seq_len: int = 2048, max_batch_size: int = 64,
                  unit: str = "local", observer: LoopObserver | None = None, clock=time.time,
                  vocab_size: int | None = None, prefill_chunk_tokens: int | None = None):
@@ -69,7 +57,7 @@ class Coordinator:
 
     @classmethod
     def local(cls, engine: Engine, drafter, policy, **kwargs) -> Coordinator:
-        """An in-process unit from an `Engine`, a `Drafter` (or None) and a `PolicyCore`."""
+        """An in-process unit from an `Engine`, a `Drafter` (or None) and a `PolicyCore` (its authority)."""
         from actors.drafting import LocalDrafter
         from actors.policy import LocalPolicy
         from actors.target import LocalTarget
@@ -77,7 +65,7 @@ class Coordinator:
         kwargs.setdefault("max_seq_len", engine.max_seq_len)
         kwargs.setdefault("vocab_size", engine.vocab_size)
         return cls(target=LocalTarget(engine), drafter=None if drafter is None else LocalDrafter(drafter),
-                   policy=LocalPolicy(policy), **kwargs)
+                   policy=LocalPolicy(policy, unit=kwargs.get("unit", "local")), **kwargs)
 
     # --- public API --------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
@@ -136,8 +124,22 @@ class Coordinator:
         if self.drafter is not None:
             await self.drafter.close()
 
+    def healthy(self) -> bool:
+        """The native unit rebuilds a failed target itself: it stays healthy."""
+        return True
+
+    async def stats(self) -> dict:
+        """What the unit holds: active requests, sequences cached by its target and drafter, open ledgers."""
+        drafter = getattr(self.drafter, "handle", None)  # a model drafter's actor
+        return {
+            "unit": self.unit,
+            "active_requests": self.active_requests(),
+            "target_sequences": list(await self.target.active_ids()),
+            "drafter_sequences": list(await drafter.active_ids.remote()) if drafter is not None else [],
+            "open_ledgers": self.policy.open_ledgers(),
+        }
+
     async def stop(self) -> None:
-        self.scheduler.drop_pending_plan()  # it belongs to this event loop, which may end with the stop
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
@@ -158,6 +160,7 @@ class Coordinator:
         while True:
             if not self.scheduler.busy():
                 self._wake.clear()
+                self.policy.flush()  # going idle: what the last rounds observed reaches the authority
                 await self._wake.wait()
             try:
                 await self._apply_aborts()
@@ -182,7 +185,7 @@ class Coordinator:
         """Admit, and plan this step's prompt chunks (`actors.prefill`). While streams decode, the chunks are
         returned to ride in the round's forward; otherwise they are fed here."""
         for seq in self.scheduler.admit():
-            await self._with_policy(lambda s=seq: self.policy.open_request(s.rid, s.budget))
+            seq.book.ledger = self.policy.open_request(seq.rid, seq.request.arm.name, seq.book.budget)
         chunks = self.scheduler.prefill_chunks()
         if not chunks or self.scheduler.active:
             return chunks
@@ -196,17 +199,15 @@ class Coordinator:
         if not new:
             return
         keys = [s.key() for s in new]
-        _, plan = await self._with_policy(lambda: self.policy.settle(None, None, keys, len(self.scheduler.active)))
-        self.scheduler.set_plan(keys, plan)
+        self.scheduler.set_plan(keys, self.policy.plan(keys, len(self.scheduler.active)))
         now = self.clock()
         for b, seq in ((b, c.seq) for b, c in enumerate(chunks) if c.last):
             token = result.sampled_tokens[b][0] if b in result.sampled_tokens else int(result.scores.argmax_ids[b, 0])
-            seq.first_token_s = now
+            seq.book.first_token_s = now
             await self._commit(seq, RowOutcome([token], accepted=0), drafted=0, is_round=False)
 
     async def _round(self, chunks: list[PrefillChunk]) -> None:
         started, t0 = self.clock(), time.perf_counter()
-        await self.scheduler.refresh_plan()
         rows = list(self.scheduler.active)
         free = self.drafter is not None and self.drafter.free_drafts
         gammas = self.scheduler.gammas(rows, can_draft=self.drafter is not None, free_drafts=free)
@@ -234,7 +235,13 @@ class Coordinator:
             score_tokens=max(lens) + 1, drafts=tuple(draft.row_confidence(b) for b, o in enumerate(outcomes) if o),
             prompt_tokens=sum(c.end - c.start for c in chunks),
         )
-        await self._settle_round(rows, batch, result, report, outcomes)  # 4. ASD rows + 6. stats in the policy
+        self.policy.observe_round(report)  # 6. stats (the ASD rows' acceptance is observed where they verify)
+        for members, asd in asd_batches(rows, batch, result):  # 4. ASD rows, against the unit's ledger leases
+            for b, outcome in zip(members, asd_outcomes(self.policy.verify_asd(asd))):
+                outcomes[b] = outcome
+        keys = [s.key() for s in rows]
+        self.scheduler.set_plan(keys, self.policy.plan(keys, len(rows)))
+        self.policy.flush()
         verify_s = time.perf_counter() - t_verify
         records = tuple(RowRecord(s.rid, s.request.arm.name, lens[b], o.accepted, o.relaxed, o.regret)
                         for b, (s, o) in enumerate(zip(rows, outcomes)))
@@ -252,7 +259,7 @@ class Coordinator:
                 for i, (s, g) in enumerate(zip(rows, gammas)) if g > 0]
         if asks and not self._drafter_ready():
             for i, _ in asks:
-                rows[i].degraded = True
+                rows[i].book.degraded = True
             asks = []
         if not asks:
             return DraftBatch.empty(len(rows)), 0.0
@@ -263,7 +270,7 @@ class Coordinator:
             log.warning("unit %s: drafter failed (%s); target-only until it is back", self.unit, exc)
             self._drafter_recovery = asyncio.ensure_future(self.drafter.recover())
             for i, _ in asks:
-                rows[i].degraded = True
+                rows[i].book.degraded = True
             return DraftBatch.empty(len(rows)), time.perf_counter() - start
         return sub.scatter([i for i, _ in asks], len(rows)), time.perf_counter() - start
 
@@ -282,49 +289,6 @@ class Coordinator:
         log.info("unit %s: drafter is back", self.unit)
         return True
 
-    # --- verify ------------------------------------------------------------------------------------------
-    async def _settle_round(self, rows: list[SequenceState], batch: TargetBatch, result: TargetResult,
-                            report: RoundReport, outcomes: list[RowOutcome | None]) -> None:
-        """The round's settle with the policy: one call per ASD arm and rule present (its rows verified and
-        charged there), the first carrying the report and returning the next plan. With no ASD row nothing
-        waits for it: the settle runs while the unit goes on, and `Scheduler.refresh_plan` picks its plan up."""
-        keys = [s.key() for s in rows]
-        groups = asd_batches(rows, batch, result)
-        if not groups:
-            self.scheduler.defer_plan(keys, asyncio.ensure_future(self.policy.settle(None, report, keys, len(rows))))
-            return
-        for n, (members, asd) in enumerate(groups):
-            verdict, plan = await self._settle(asd, report if n == 0 else None, keys, len(rows), rows)
-            if n == 0:
-                self.scheduler.set_plan(keys, plan)
-            for b, outcome in zip(members, asd_outcomes(verdict)):
-                outcomes[b] = outcome
-
-    async def _settle(self, asd: ASDBatch, report, keys: list[RowKey], batch_size: int,
-                      rows: list[SequenceState]):
-        """The policy's settle; after a policy restart, reopen this unit's lost ledgers and settle again."""
-        while True:
-            try:
-                return await self._with_policy(lambda: self.policy.settle(asd, report, keys, batch_size))
-            except LedgersLost as lost:
-                log.warning("unit %s: the policy lost the ledgers of %s; restoring them", self.unit,
-                            list(lost.request_ids))
-                for seq in (s for s in rows if s.rid in lost.request_ids):
-                    # the unit sums float32 charges; the ledger refuses a spend above its budget
-                    spent = min(seq.regret_spent, seq.budget)
-                    await self._with_policy(lambda s=seq, x=spent: self.policy.open_request(s.rid, s.budget, x))
-
-    async def _with_policy(self, call: Callable[[], Awaitable]):
-        """`call()`, retried while the policy actor restarts, for at most POLICY_TIMEOUT_S."""
-        deadline = time.monotonic() + POLICY_TIMEOUT_S
-        while True:
-            try:
-                return await call()
-            except PolicyUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(POLICY_RETRY_S)
-
     # --- commit and finish -------------------------------------------------------------------------------
     async def _commit(self, seq: SequenceState, outcome: RowOutcome, *, drafted: int, is_round: bool = True) -> None:
         """Append a round's emitted tokens (up to EOS / stop ids / max_tokens / context) and stream them."""
@@ -337,14 +301,10 @@ class Coordinator:
 
     async def _finish(self, seq: SequenceState, reason: str, *, release: bool = True, error: str | None = None) -> None:
         self.scheduler.remove(seq)
-        summary = None
-        try:
-            summary = await self.policy.close_request(seq.rid)
-        except Exception:  # the policy actor is gone: its ledger went with it
-            log.exception("unit %s: closing ledger of %s failed", self.unit, seq.rid)
+        self.policy.close_request(seq.rid)
         if release:
             await self._release(seq.rid)
-        record = seq.record(self.unit, reason, summary, self.clock())
+        record = seq.record(self.unit, reason, self.clock())
         self.observer.on_request(record)
         seq.queue.put_nowait(GenerationChunk([], finish_reason=reason, record=record, error=error))
         seq.done.set()
@@ -362,7 +322,6 @@ class Coordinator:
 
     async def _fail_all(self, exc: Exception) -> None:
         message = f"unit {self.unit} failed: {type(exc).__name__}: {exc}"
-        self.scheduler.drop_pending_plan()
         for seq in self.scheduler.running():
             await self._finish(seq, "error", error=message)
         try:

@@ -1,107 +1,304 @@
-"""The policy: γ per round, running α and cost statistics, and the per-request ASD regret ledgers.
+"""The γ policy and the regret ledgers: a unit's local policy (`UnitPolicy`) and the app's authority
+(`PolicyCore`).
 
-`PolicyCore` is the plain object; `LocalPolicy` is its async `PolicyBackend` view for in-process units, and
-`actors.remote.policy` puts the same object behind one named Ray actor per app. All request-scoped state is
-keyed by request id and dropped by `close_request`, which returns the ledger summary: nothing leaks between
-requests.
+A unit chooses γ and verifies ASD rows from its `UnitPolicy`, with no call on the step. The unit reports what it
+observed (acceptance by arm, step and draft costs) and the state of its ledgers in batches (`flush`: at most one
+report in flight) to the authority, which merges every unit's observations into the arm statistics and keeps a
+mirror of every open ledger. Its reply, a `PolicySnapshot`, carries the merged statistics, which the unit adopts
+(plus what it observed since): a new unit starts from what the app has learned.
 
-One call per round: `settle` verifies the round's ASD rows against their ledgers, records every row's
-acceptance and the round's measured costs, and returns the γ plan for the next round. ASD rows come one arm
-and one rule per call: greedy rows (`verify_asd_scores`) or an arm's relaxed sampled rows
-(`verify_asd_sampled_scores`); a unit whose round holds several makes one call per group.
-
-Restart: a restarted policy actor has no ledgers. `settle` then raises `LedgersLost` before charging anything,
-and the unit reopens each of its ASD requests with the budget and the regret it has already spent (the unit
-knows both: every charge reaches it in a verdict), then settles again. α and cost statistics start over from
-the priors.
+Ledgers: a request runs on one unit, which holds its whole budget as a lease, charges it where verification
+runs and reports the absolute spend, so a ledger cannot be overspent and a restarted authority is rebuilt from
+the next reports (a new `epoch` asks every unit for all of its open ledgers).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from actors.contracts import ASDBatch, LedgersLost, RoundReport, RowKey
+from actors.contracts import ASDBatch, RoundReport, RowKey
 from policies import Verdict
 from policies.asd import RegretLedger, verify_asd_scores
 from policies.asd_sampled import SampledScores, verify_asd_sampled_scores
-from policies.gamma import GammaPolicy, best_gamma
+from policies.gamma import ArmStatistics, GammaPolicy, best_gamma
 
 log = logging.getLogger(__name__)
 
+SYNC_TIMEOUT_S = 10.0  # `UnitPolicy.synced` / `flush(wait=True)`: how long to wait for the authority
+
+
+def gamma_policy(*, gamma_max: int = 8, gamma_min: int = 0, prior_alpha: float = 0.6, draft_cost: float = 0.05,
+                 fixed_gamma: int | None = None) -> GammaPolicy:
+    """The `GammaPolicy` of the policy settings every unit and the authority share."""
+    return GammaPolicy(gamma_max=gamma_max, gamma_min=gamma_min, prior_alpha=prior_alpha, draft_cost=draft_cost,
+                       fixed_gamma=fixed_gamma)
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    """A ledger as its unit last reported it."""
+
+    request_id: str
+    unit: str
+    arm: str
+    budget: float
+    spent: float
+    relaxed_tokens: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class UnitReport:
+    """What a unit observed since its last report, and its ledgers that changed."""
+
+    unit: str
+    rows: tuple[tuple[str, int, int, tuple[float, ...], int], ...] = ()  # (arm, γ, accepted, confidence, match_len)
+    costs: tuple[tuple[int, float | None, tuple[tuple[int, float], ...]], ...] = ()  # (batch, draft s, ((n, s),))
+    ledgers: tuple[LedgerState, ...] = ()  # open ledgers, as they are now
+    closed: tuple[str, ...] = ()  # ledgers closed since the last report
+
+    def __bool__(self) -> bool:
+        return bool(self.rows or self.costs or self.ledgers or self.closed)
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    epoch: str  # the authority's incarnation
+    stats: ArmStatistics
+
 
 class PolicyCore:
-    """Owns a `GammaPolicy` and the open ledgers. Pure bookkeeping; no model, no Ray."""
+    """The app's authority: merged arm statistics and the mirror of every open ledger. No model, no Ray."""
 
-    def __init__(self, *, gamma_max: int = 8, gamma_min: int = 0, prior_alpha: float = 0.6,
-                 draft_cost: float = 0.05, fixed_gamma: int | None = None):
-        self.gamma = GammaPolicy(
-            gamma_max=gamma_max, gamma_min=gamma_min, prior_alpha=prior_alpha, draft_cost=draft_cost,
-            fixed_gamma=fixed_gamma,
-        )
-        # Seeded sampled requests must reproduce whatever else runs: their γ may not depend on shared,
-        # load-dependent statistics, so they use the γ the prior alone implies.
-        self.seeded_gamma = fixed_gamma if fixed_gamma is not None else max(
-            gamma_min, best_gamma(prior_alpha, draft_cost, gamma_max))
-        self.ledgers: dict[str, RegretLedger] = {}
+    def __init__(self, **settings: Any):
+        self.settings = dict(settings)
+        self.gamma = gamma_policy(**settings)
+        self.epoch = uuid.uuid4().hex
+        self.ledgers: dict[str, LedgerState] = {}
+        self.reports = 0
 
-    # --- request lifecycle -------------------------------------------------------------------------------
-    def open_request(self, request_id: str, budget: float | None, spent: float = 0.0) -> None:
-        """Open a request; with a budget, its ledger. `spent` restores a ledger after a policy restart."""
-        if request_id in self.ledgers:
-            raise ValueError(f"request_id {request_id!r} already has an open ledger")
-        if budget is not None:
-            self.ledgers[request_id] = RegretLedger.restored(budget, spent, request_id=request_id)
+    def report(self, report: UnitReport) -> PolicySnapshot:
+        """Merge one unit's report; the merged statistics come back."""
+        for arm, gamma, accepted, confidence, match_len in report.rows:
+            self.gamma.observe_arm(arm, gamma, accepted, confidence, match_len)
+        for batch_size, draft_step_s, scored in report.costs:
+            self.gamma.observe_costs(batch_size, draft_step_s, dict(scored))
+        for state in report.ledgers:
+            if state.spent > state.budget + 1e-6:
+                log.error("ledger %s reported over budget: %s", state.request_id, state)
+            self.ledgers[state.request_id] = state
+        for request_id in report.closed:
+            self.ledgers.pop(request_id, None)
+        self.reports += 1
+        return self.snapshot()
 
-    def close_request(self, request_id: str) -> dict | None:
-        """Drop all state of the request; return its ledger summary (None for exact requests)."""
-        self.gamma.forget(request_id)
-        ledger = self.ledgers.pop(request_id, None)
-        return None if ledger is None else ledger.summary()
+    def snapshot(self) -> PolicySnapshot:
+        return PolicySnapshot(self.epoch, self.gamma.arm_statistics())
 
     def open_ledgers(self) -> list[str]:
-        return list(self.ledgers)
+        return sorted(self.ledgers)
 
-    # --- one round ---------------------------------------------------------------------------------------
-    def settle(self, asd: ASDBatch | None, report: RoundReport | None,
-               plan_for: list[RowKey], batch_size: int) -> tuple[Verdict | None, list[int]]:
-        """Verify ASD rows (charging ledgers), learn from the report, and plan γ for `plan_for`."""
-        verdict = None
-        if asd is not None:
-            missing = [r for r in asd.request_ids if r not in self.ledgers]
-            if missing:
-                raise LedgersLost(missing)
-            ledgers = [self.ledgers[r] for r in asd.request_ids]
-            verify = verify_asd_sampled_scores if isinstance(asd.scores, SampledScores) else verify_asd_scores
-            verdict = verify(asd.draft_ids, asd.scores, ledgers, asd.config, draft_lens=asd.draft_lens)
-            for rid, k, n in zip(asd.request_ids, asd.draft_lens.tolist(), verdict.num_accepted.tolist()):
-                self.gamma.observe(rid, asd.arm, k, n)
-        if report is not None:
-            drafts = report.drafts or (None,) * len(report.rows)
-            for (key, gamma, accepted), draft in zip(report.rows, drafts):
-                confidence, match_len = draft if draft and gamma else ((), 0)
-                self.gamma.observe(key.request_id, key.arm, gamma, accepted, confidence, match_len)
-            # a forward that also fed prompt chunks says nothing about the cost of scoring drafts
-            scored = {} if report.prompt_tokens else {report.score_tokens: report.score_s}
-            self.gamma.observe_costs(report.batch_size, report.draft_step_s or None, scored)
-        plan = [self.seeded_gamma if r.seeded else self.gamma.choose(r.request_id, r.arm, batch_size)
-                for r in plan_for]
-        return verdict, plan
+    def forget(self, request_id: str) -> None:
+        """Drop the mirror of a ledger whose unit died (it will report no close)."""
+        self.ledgers.pop(request_id, None)
+
+    def ledger(self, request_id: str) -> LedgerState | None:
+        return self.ledgers.get(request_id)
+
+    def summary(self) -> dict:
+        return {"epoch": self.epoch, "reports": self.reports, "open_ledgers": len(self.ledgers),
+                "gamma": self.gamma.summary()}
 
 
-class LocalPolicy:
-    """A `PolicyCore` in the unit's own process, behind the async `PolicyBackend` contract."""
+class PolicyLink(Protocol):
+    """How a unit's reports reach the authority."""
+
+    def submit(self, report: UnitReport) -> concurrent.futures.Future: ...
+
+    def reconnect(self) -> None: ...
+
+
+class InProcessLink:
+    """The authority in the unit's own process (CLI, tests, benchmarks): reports are merged at once."""
 
     def __init__(self, core: PolicyCore):
         self.core = core
 
-    async def open_request(self, request_id: str, budget: float | None, spent: float = 0.0) -> None:
-        self.core.open_request(request_id, budget, spent)
+    def submit(self, report: UnitReport) -> concurrent.futures.Future:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(self.core.report(report))
+        return done
 
-    async def close_request(self, request_id: str) -> dict | None:
-        return self.core.close_request(request_id)
+    def reconnect(self) -> None:
+        pass
 
-    async def settle(self, asd, report, plan_for, batch_size):
-        return self.core.settle(asd, report, plan_for, batch_size)
 
-    async def open_ledgers(self) -> list[str]:
-        return self.core.open_ledgers()
+class UnitPolicy:
+    """One unit's γ choices, ASD verification and ledger leases, reported to the authority through `link`."""
+
+    def __init__(self, link: PolicyLink, *, unit: str = "local", **settings: Any):
+        self.link, self.unit, self.settings = link, unit, dict(settings)
+        self.gamma = gamma_policy(**settings)
+        fixed, prior = settings.get("fixed_gamma"), self.gamma.prior_alpha
+        # Seeded sampled requests must reproduce whatever else runs: their γ may not depend on shared,
+        # load-dependent statistics, so they use the γ the prior alone implies.
+        self.seeded_gamma = fixed if fixed is not None else max(
+            self.gamma.gamma_min, best_gamma(prior, self.gamma.costs.default_draft_cost, self.gamma.gamma_max))
+        self.ledgers: dict[str, tuple[str, RegretLedger]] = {}  # request id -> (arm, the lease)
+        self._dirty: set[str] = set()
+        self._closed: list[str] = []
+        self._rows: list[tuple[str, int, int, tuple[float, ...], int]] = []
+        self._costs: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] = []
+        self._epoch: str | None = None
+        self._pending: tuple[concurrent.futures.Future, UnitReport] | None = None
+        self._send(UnitReport(unit))  # the app's statistics so far, before the first request
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def open_request(self, request_id: str, arm: str, budget: float | None) -> RegretLedger | None:
+        """Start a request; with a budget, its ledger (the unit's lease of the whole budget)."""
+        if request_id in self.ledgers:
+            raise ValueError(f"request_id {request_id!r} already has an open ledger")
+        if budget is None:
+            return None
+        ledger = RegretLedger(budget, request_id=request_id)
+        self.ledgers[request_id] = (arm, ledger)
+        self._dirty.add(request_id)
+        return ledger
+
+    def close_request(self, request_id: str) -> dict | None:
+        """Drop the request's state; its ledger summary (None for exact requests). The close is reported."""
+        self.gamma.forget(request_id)
+        entry = self.ledgers.pop(request_id, None)
+        if entry is None:
+            return None
+        self._dirty.discard(request_id)
+        self._closed.append(request_id)
+        return entry[1].summary()
+
+    def open_ledgers(self) -> list[str]:
+        return sorted(self.ledgers)
+
+    # --- γ -----------------------------------------------------------------------------------------------
+    def choose(self, request_id: str, arm: str, batch_size: int, *, seeded: bool = False) -> int:
+        return self.seeded_gamma if seeded else self.gamma.choose(request_id, arm, batch_size)
+
+    def plan(self, keys: list[RowKey], batch_size: int) -> list[int]:
+        return [self.choose(k.request_id, k.arm, batch_size, seeded=k.seeded) for k in keys]
+
+    def observe(self, request_id: str, arm: str, gamma: int, accepted: int, confidence: tuple[float, ...] = (),
+                match_len: int = 0) -> None:
+        self.gamma.observe(request_id, arm, gamma, accepted, confidence, match_len)
+        if gamma:
+            self._rows.append((arm, gamma, accepted, tuple(confidence), match_len))
+
+    def observe_costs(self, batch_size: int, draft_step_s: float | None, scored: dict[int, float]) -> None:
+        self.gamma.observe_costs(batch_size, draft_step_s, scored)
+        self._costs.append((batch_size, draft_step_s, tuple(scored.items())))
+
+    def observe_round(self, report: RoundReport) -> None:
+        """A native round's acceptance (its exact rows; ASD rows are observed by `verify_asd`) and costs."""
+        drafts = report.drafts or (None,) * len(report.rows)
+        for (key, gamma, accepted), draft in zip(report.rows, drafts):
+            confidence, match_len = draft if draft and gamma else ((), 0)
+            self.observe(key.request_id, key.arm, gamma, accepted, confidence, match_len)
+        # a forward that also fed prompt chunks says nothing about the cost of scoring drafts
+        scored = {} if report.prompt_tokens else {report.score_tokens: report.score_s}
+        self.observe_costs(report.batch_size, report.draft_step_s or None, scored)
+
+    # --- ASD ---------------------------------------------------------------------------------------------
+    def verify_asd(self, asd: ASDBatch) -> Verdict:
+        """Verify one arm's ASD rows against their leases (charging them) and learn their acceptance."""
+        ledgers = [self.ledgers[rid][1] for rid in asd.request_ids]
+        verify = verify_asd_sampled_scores if isinstance(asd.scores, SampledScores) else verify_asd_scores
+        verdict = verify(asd.draft_ids, asd.scores, ledgers, asd.config, draft_lens=asd.draft_lens)
+        for rid, k, n in zip(asd.request_ids, asd.draft_lens.tolist(), verdict.num_accepted.tolist()):
+            self.observe(rid, asd.arm, k, n)
+        self._dirty.update(asd.request_ids)
+        return verdict
+
+    # --- reports -----------------------------------------------------------------------------------------
+    def flush(self, *, wait: bool = False) -> None:
+        """Send what was observed since the last report, unless one is still in flight (then it goes with the
+        next flush). `wait`: block until this is merged (off the step path: a unit going idle)."""
+        if self._pending is not None:
+            if wait:
+                concurrent.futures.wait([self._pending[0]], timeout=SYNC_TIMEOUT_S)
+            if not self._pending[0].done():
+                return
+            self._receive()
+        self._send(self._take())
+        if wait and self._pending is not None:
+            concurrent.futures.wait([self._pending[0]], timeout=SYNC_TIMEOUT_S)
+            if self._pending[0].done():
+                self._receive()
+
+    async def synced(self) -> None:
+        """Everything observed so far has been merged by the authority (a unit going idle; tests)."""
+        for _ in range(2):  # the report in flight, then what came after it
+            if self._pending is not None:
+                await asyncio.wait([asyncio.wrap_future(self._pending[0])], timeout=SYNC_TIMEOUT_S)
+            self.flush()
+        if self._pending is not None:
+            await asyncio.wait([asyncio.wrap_future(self._pending[0])], timeout=SYNC_TIMEOUT_S)
+            if self._pending[0].done():
+                self._receive()
+
+    def _take(self) -> UnitReport:
+        ledgers = tuple(self._state(rid) for rid in sorted(self._dirty) if rid in self.ledgers)
+        report = UnitReport(self.unit, tuple(self._rows), tuple(self._costs), ledgers, tuple(self._closed))
+        self._rows, self._costs, self._dirty, self._closed = [], [], set(), []
+        return report
+
+    def _state(self, request_id: str) -> LedgerState:
+        arm, ledger = self.ledgers[request_id]
+        return LedgerState(request_id, self.unit, arm, ledger.budget, ledger.spent, len(ledger.events),
+                           ledger.blocks)
+
+    def _send(self, report: UnitReport) -> None:
+        if not report and self._epoch is not None:
+            return
+        try:
+            self._pending = (self.link.submit(report), report)
+        except Exception as err:  # noqa: BLE001 - the authority is unreachable: keep the report for later
+            log.warning("unit %s: policy report not sent (%s)", self.unit, err)
+            self._requeue(report)
+            self.link.reconnect()
+            return
+        if self._pending[0].done():
+            self._receive()
+
+    def _receive(self) -> None:
+        future, report = self._pending
+        self._pending = None
+        try:
+            snapshot: PolicySnapshot = future.result()
+        except Exception as err:  # noqa: BLE001 - the authority died or restarts: send it all again later
+            log.warning("unit %s: policy report lost (%s); resending its ledgers", self.unit, err)
+            self._requeue(report)
+            self.link.reconnect()
+            return
+        if snapshot.epoch != self._epoch:  # a new authority: it needs every open ledger
+            self._dirty.update(self.ledgers)
+            self._epoch = snapshot.epoch
+        self.gamma.adopt(snapshot.stats)
+        for row in self._rows:  # observed since the report left: not in the snapshot yet
+            self.gamma.observe_arm(*row)
+        for batch_size, draft_step_s, scored in self._costs:
+            self.gamma.costs.observe(batch_size, draft_step_s, dict(scored))
+
+    def _requeue(self, report: UnitReport) -> None:
+        self._dirty.update(s.request_id for s in report.ledgers)
+        self._closed.extend(report.closed)
+
+
+class LocalPolicy(UnitPolicy):
+    """A unit's policy whose authority is a `PolicyCore` in the same process."""
+
+    def __init__(self, core: PolicyCore, unit: str = "local"):
+        super().__init__(InProcessLink(core), unit=unit, **core.settings)
+        self.core = core

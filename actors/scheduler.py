@@ -1,28 +1,20 @@
 """Scheduling for one unit: which sequences run, and with how many drafts.
 
-The `Scheduler` owns the waiting queue (requests not yet admitted), the sequences prefilling (admitted: a
-KV slot each, their prompt entering the cache a chunk per step, `actors.prefill`), the active batch (every
-sequence that takes part in the next round; prefilling + active ≤ `max_batch_size`), the aborts asked for
-since the last round, and the γ plan: the policy's γ per request, which arrives with each round's settle
-and is applied from the next round. A plan computed while the unit went on (exact-only rounds don't wait for
-the policy) is kept as a pending task and picked up at the start of the next round.
-
-`SequenceState` is one request's state in the unit: `tokens` = prompt + emitted output; the target's KV holds
-`tokens[:-1]`, and the last emitted token is *pending*: it is fed first next round.
+The `Scheduler` owns the waiting queue, the sequences prefilling (a KV slot each, their prompt entering the
+cache a chunk per step, `actors.prefill`), the active batch (prefilling + active ≤ `max_batch_size`), the
+aborts asked for since the last round, and the γ plan (the policy's γ per request, applied next round).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass, field
 
+from actors.bookkeeping import RequestBook
 from actors.contracts import NO_CROP, RowKey
 from actors.prefill import PrefillChunk, plan_chunks
 from actors.requests import GenerationRequest
 from actors.stats import RequestRecord
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,21 +29,15 @@ class RowOutcome:
 
 @dataclass
 class SequenceState:
+    """One request in the unit: `tokens` = prompt + emitted output; the target's KV holds `tokens[:-1]`, and
+    the last emitted token is *pending* (fed first next round). Its accounting is its `book`."""
+
     request: GenerationRequest
     queue: asyncio.Queue  # GenerationChunks for the request's consumer
     tokens: list[int]
-    started_s: float
+    book: RequestBook
     crop: int = NO_CROP  # target KV length to keep before the next feed
     output: list[int] = field(default_factory=list)
-    first_token_s: float | None = None
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    gammas: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    relaxed: int = 0
-    regret_spent: float = 0.0  # every ASD charge the policy reported; restores its ledger after a restart
-    degraded: bool = False
     prefilled: int = 0  # prompt tokens in the target's KV cache (chunked prefill)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -61,33 +47,18 @@ class SequenceState:
 
     @property
     def greedy(self) -> bool:
-        return self.request.params.temperature == 0.0
+        return self.book.greedy
 
     @property
     def asd(self) -> bool:
-        """Verified by ASD (the verification that runs, not only the arm's): an ASD arm's greedy request, or
-        its sampled request when the arm's `sampled` rule is "relaxed" (`policies.asd_sampled`)."""
-        arm = self.request.arm
-        return arm.verification == "asd" and (self.greedy or arm.sampled == "relaxed")
-
-    @property
-    def asd_fallback(self) -> str | None:
-        """Why an ASD arm verifies this request exactly: "sampled" (its `sampled` rule is "exact"); else None."""
-        return "sampled" if self.request.arm.verification == "asd" and not self.asd else None
-
-    @property
-    def budget(self) -> float | None:
-        return self.request.arm.asd.budget if self.asd else None
+        return self.book.asd
 
     def key(self) -> RowKey:
-        params = self.request.params
-        return RowKey(self.rid, self.request.arm.name, params.seed is not None and params.temperature > 0)
+        return RowKey(self.rid, self.request.arm.name, self.book.seeded)
 
     def draft_limit(self, max_seq_len: int) -> int:
-        """Most drafts this row may take: the round emits drafts + 1 tokens within max_tokens and the context."""
-        left = self.request.params.max_tokens - len(self.output)
-        room = max_seq_len - len(self.tokens)
-        return max(0, min(left - 1, room - 1))
+        return self.book.draft_limit(output_len=len(self.output), context_len=len(self.tokens),
+                                     max_seq_len=max_seq_len)
 
     def commit(self, outcome: RowOutcome, *, drafted: int, eos: frozenset[int], max_seq_len: int,
                is_round: bool = True) -> tuple[list[int], str | None]:
@@ -107,34 +78,13 @@ class SequenceState:
         self.tokens.extend(out)
         self.output.extend(out)
         self.crop = base + outcome.accepted  # KV keeps the old pending token and the accepted drafts
-        self.relaxed += outcome.relaxed
-        self.regret_spent += outcome.regret
         if is_round:
-            self.rounds += 1
-            self.gammas.append(drafted)
-            self.draft_tokens += drafted
-            self.accepted_tokens += outcome.accepted
-            self.accepted_per_position.extend([0] * (outcome.accepted - len(self.accepted_per_position)))
-            for k in range(outcome.accepted):
-                self.accepted_per_position[k] += 1
+            self.book.account(drafted, outcome.accepted)
         return out, reason
 
-    def record(self, unit: str, reason: str, summary: dict | None, finished_s: float) -> RequestRecord:
-        """The finished request's record; `summary` is its ledger summary (None for exact requests)."""
-        req = self.request
-        return RequestRecord(
-            request_id=self.rid, arm=req.arm.name, unit=unit, prompt_tokens=len(req.prompt_ids),
-            output_tokens=len(self.output), rounds=self.rounds, draft_tokens=self.draft_tokens,
-            accepted_tokens=self.accepted_tokens, gammas=tuple(self.gammas), started_s=self.started_s,
-            first_token_s=self.first_token_s, finished_s=finished_s, finish_reason=reason, degraded=self.degraded,
-            verification="asd" if self.asd else "exact", arm_verification=req.arm.verification,
-            asd_fallback=self.asd_fallback, sampled=not self.greedy,
-            regret_spent=summary["spent"] if summary else None,
-            regret_budget=summary["budget"] if summary else (req.arm.asd.budget if req.arm.asd else None),
-            relaxed_tokens=self.relaxed if req.arm.verification == "asd" else None,
-            ledger_exhausted=bool(summary and summary.get("exhausted")),
-            accepted_per_position=tuple(self.accepted_per_position),
-        )
+    def record(self, unit: str, reason: str, finished_s: float) -> RequestRecord:
+        return self.book.record(unit=unit, finish_reason=reason, output_tokens=len(self.output),
+                                finished_s=finished_s)
 
 
 class Scheduler:
@@ -154,7 +104,6 @@ class Scheduler:
         self.active: list[SequenceState] = []
         self.aborts: set[str] = set()
         self.plan: dict[str, int] = {}
-        self._pending_plan: tuple[list[RowKey], asyncio.Task] | None = None
 
     # --- requests ----------------------------------------------------------------------------------------
     def enqueue(self, request: GenerationRequest) -> SequenceState:
@@ -168,7 +117,7 @@ class Scheduler:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_seq_len {self.max_seq_len}")
         if self.find(request.request_id) is not None:
             raise ValueError(f"request_id {request.request_id!r} is already running")
-        seq = SequenceState(request, asyncio.Queue(), list(prompt), self.clock())
+        seq = SequenceState(request, asyncio.Queue(), list(prompt), RequestBook(request, self.clock()))
         self.waiting.append(seq)
         return seq
 
@@ -228,28 +177,6 @@ class Scheduler:
         live = {s.rid for s in self.running()}
         self.plan.update((k.request_id, g) for k, g in zip(keys, plan) if k.request_id in live)
 
-    def defer_plan(self, keys: list[RowKey], pending: asyncio.Task) -> None:
-        """A plan the policy is still computing; `refresh_plan` applies it before the next round."""
-        self._pending_plan = (keys, pending)
-
-    async def refresh_plan(self) -> None:
-        if self._pending_plan is None:
-            return
-        (keys, pending), self._pending_plan = self._pending_plan, None
-        if pending.cancelled():  # the loop it ran on stopped before it finished
-            return
-        try:
-            _, plan = await pending
-        except Exception as exc:  # the policy is restarting: keep last round's plan
-            log.warning("γ plan unavailable (%s); keeping the previous plan", exc)
-            return
-        self.set_plan(keys, plan)
-
-    def drop_pending_plan(self) -> None:
-        if self._pending_plan is not None:
-            self._pending_plan[1].cancel()
-        self._pending_plan = None
-
     def gammas(self, rows: list[SequenceState], *, can_draft: bool, free_drafts: bool) -> list[int]:
         """γ per row: the policy's plan, within what the row may still emit.
 
@@ -257,7 +184,7 @@ class Scheduler:
         extra. With a drafter whose drafts are free (prompt lookup), every speculating row drafts up to the
         round's width: the padding is spent on tokens that may be accepted instead of on nothing.
         """
-        limits = [s.draft_limit(self.max_seq_len) if can_draft and s.request.speculate else 0 for s in rows]
+        limits = [s.draft_limit(self.max_seq_len) if can_draft else 0 for s in rows]
         gammas = [min(self.plan.get(s.rid, 0), cap) for s, cap in zip(rows, limits)]
         if free_drafts:
             width = max(gammas, default=0)

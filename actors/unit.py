@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from actors.contracts import PolicyBackend
 from actors.coordinator import Coordinator
 from actors.drafting import DrafterSetup, LocalDrafter, check_vocab, make_drafter
-from actors.policy import LocalPolicy, PolicyCore
+from actors.policy import LocalPolicy, PolicyCore, UnitPolicy
 from actors.stats import LoopObserver
 from actors.target import LocalTarget
 
@@ -42,7 +41,7 @@ class TargetSetup:
 
 
 def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = DrafterSetup(),
-               policy: PolicyBackend | None = None, observer: LoopObserver | None = None,
+               policy: UnitPolicy | None = None, observer: LoopObserver | None = None,
                torch_threads: int | None = None, on_ray: bool = True,
                eos_token_ids: Sequence[int] | None = None) -> Coordinator:
     """Assemble a unit. `policy`: the app's `RemotePolicy` (on_ray), else a `LocalPolicy` (default: a fresh
@@ -79,7 +78,7 @@ def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = Drafte
             local = make_drafter(drafter, max_slots=target.max_slots, max_seq_len=max_seq_len)
             drafter_backend = None if local is None else LocalDrafter(local)
     return Coordinator(
-        target=target_backend, drafter=drafter_backend, policy=policy or LocalPolicy(PolicyCore()),
+        target=target_backend, drafter=drafter_backend, policy=policy or LocalPolicy(PolicyCore(), unit=unit),
         eos_token_ids=info["eos_token_ids"] if eos_token_ids is None else eos_token_ids, max_seq_len=max_seq_len,
         max_batch_size=target.max_slots, unit=unit, observer=observer, vocab_size=info["vocab_size"],
         prefill_chunk_tokens=target.prefill_chunk_tokens,

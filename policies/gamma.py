@@ -8,6 +8,7 @@ decoding is S(γ) = E(γ) / (γ·c + v(γ)) (Leviathan et al. 2022 with v ≡ 1)
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,15 @@ def explore_gamma(block: int, gamma_max: int, c: float, verify_cost: Sequence[fl
     stay = (block + 1) / (block * c + verify_cost[block])
     grow = (block + 1 + (doubled - block) / 2) / (doubled * c + verify_cost[doubled])
     return doubled if grow > stay else block
+
+
+@dataclass
+class ArmStatistics:
+    """The statistics of a `GammaPolicy` that belong to arms, not requests: what units share."""
+
+    arms: dict[str, Acceptance]
+    confidence: dict[str, ConfidenceAcceptance]
+    costs: CostModel
 
 
 @dataclass
@@ -184,11 +194,28 @@ class GammaPolicy:
         state.plain_streak = 0
         state.full_block = gamma if accepted == gamma else 0
         state.acceptance.update(gamma, accepted, self.decay)
+        self.observe_arm(arm, gamma, accepted, confidence, match_len)
+        if confidence:
+            state.draft_alpha = self._confidence[arm].draft_alpha(match_len, confidence)
+
+    def observe_arm(self, arm: str, gamma: int, accepted: int, confidence: Sequence[float] = (),
+                    match_len: int = 0) -> None:
+        """The arm's part of `observe` alone: what an authority merging many units' rounds learns."""
+        if gamma == 0:
+            return
         self._arms.setdefault(arm, Acceptance()).update(gamma, accepted, self.arm_decay)
         if confidence:
-            table = self._confidence.setdefault(arm, ConfidenceAcceptance())
-            table.observe(match_len, confidence, accepted)
-            state.draft_alpha = table.draft_alpha(match_len, confidence)
+            self._confidence.setdefault(arm, ConfidenceAcceptance()).observe(match_len, confidence, accepted)
+
+    def arm_statistics(self) -> ArmStatistics:
+        """What units share: α per arm, the confidence tables and the measured costs (the policy's own
+        objects, not a copy: pickle it or `adopt` it, which copies)."""
+        return ArmStatistics(self._arms, self._confidence, self.costs)
+
+    def adopt(self, stats: ArmStatistics) -> None:
+        """Replace the shared statistics with `stats` (a copy of another policy's); requests' own state stays."""
+        stats = copy.deepcopy(stats)
+        self._arms, self._confidence, self.costs = stats.arms, stats.confidence, stats.costs
 
     def observe_costs(
         self,

@@ -1,56 +1,63 @@
-"""The app's policy actor: one named, detached `actors.policy.PolicyCore` shared by every unit.
+"""The app's policy actor: one named, detached `actors.policy.PolicyCore` that every unit reports to.
 
-Ray restarts it when its process dies (`max_restarts=-1`); a restarted actor has lost its ledgers, which the
-units restore (see `actors.policy`). `RemotePolicy` is a unit's `PolicyBackend` view: a call that meets a
-dead or restarting actor raises `PolicyUnavailable`, and the next call looks the actor up again by name,
-creating it if it is gone for good.
+Ray restarts it when its process dies (`max_restarts=-1`); the restarted actor is rebuilt from the units' next
+reports. `RemotePolicy` is a unit's `UnitPolicy` whose reports go to the actor: one call in flight, never
+awaited on the step; a report that meets a dead actor is sent again, to the actor looked up again by name.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+from typing import Any
+
 import ray
 
-from actors.contracts import ASDBatch, LedgersLost, PolicyUnavailable, RoundReport, RowKey
-from actors.policy import PolicyCore
+from actors.policy import PolicyCore, UnitPolicy, UnitReport
 
 NAMESPACE = "specserve"
 
 
-def get_or_create_policy_actor(name: str, **policy_kwargs):
+def get_or_create_policy_actor(name: str, **settings: Any):
     """The app's policy actor (named, detached), created on first use by whichever unit starts first."""
     actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1)(PolicyCore)
     return actor_cls.options(name=name, get_if_exists=True, lifetime="detached", namespace=NAMESPACE).remote(
-        **policy_kwargs
+        **settings
     )
 
 
-class RemotePolicy:
-    """A unit's view of the policy actor `name`, created with `policy_kwargs` if it does not exist."""
+class ActorLink:
+    """Reports to the policy actor `name` (created with `settings` if it does not exist)."""
 
-    def __init__(self, name: str, **policy_kwargs):
-        self.name, self.policy_kwargs = name, policy_kwargs
-        self.handle = get_or_create_policy_actor(name, **policy_kwargs)
+    def __init__(self, name: str, settings: dict[str, Any]):
+        self.name, self.settings = name, settings
+        self.handle = get_or_create_policy_actor(name, **settings)
 
-    async def _call(self, method: str, *args):
+    def submit(self, report: UnitReport) -> concurrent.futures.Future:
+        return self.handle.report.remote(report).future()
+
+    def reconnect(self) -> None:
         try:
-            return await getattr(self.handle, method).remote(*args)
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, LedgersLost):  # the unit restores them: pass the plain error on
-                raise exc.cause from None
-            raise
-        except ray.exceptions.RayActorError as exc:
-            self.handle = get_or_create_policy_actor(self.name, **self.policy_kwargs)
-            raise PolicyUnavailable(f"policy actor {self.name}: {exc}") from exc
+            self.handle = get_or_create_policy_actor(self.name, **self.settings)
+        except Exception:  # noqa: BLE001 - still restarting: the next report tries again
+            pass
 
-    async def open_request(self, request_id: str, budget: float | None, spent: float = 0.0) -> None:
-        await self._call("open_request", request_id, budget, spent)
 
-    async def close_request(self, request_id: str) -> dict | None:
-        return await self._call("close_request", request_id)
+class RemotePolicy(UnitPolicy):
+    """A unit's policy whose authority is the app's policy actor `name`."""
 
-    async def settle(self, asd: ASDBatch | None, report: RoundReport | None, plan_for: list[RowKey],
-                     batch_size: int):
-        return await self._call("settle", asd, report, plan_for, batch_size)
+    def __init__(self, name: str, unit: str = "local", **settings: Any):
+        self.name = name
+        super().__init__(ActorLink(name, settings), unit=unit, **settings)
 
-    async def open_ledgers(self) -> list[str]:
-        return await self._call("open_ledgers")
+    @property
+    def handle(self):
+        return self.link.handle
+
+    async def app_ledgers(self) -> list[str]:
+        """Every unit's open ledgers, as the actor holds them."""
+        return await self.link.handle.open_ledgers.remote()
+
+
+async def forget_ledger(name: str, settings: dict[str, Any], request_id: str) -> None:
+    """Drop a ledger whose unit died before closing it (the unit can no longer report)."""
+    await get_or_create_policy_actor(name, **settings).forget.remote(request_id)

@@ -8,7 +8,7 @@ from actors.coordinator import ArmSpec, Coordinator, GenerationRequest, Sampling
 from actors.drafting import ModelDrafter, NgramDrafter
 from actors.engines.native import load_model
 from actors.engines.native.engine import Engine
-from actors.policy import LocalPolicy, PolicyCore
+from actors.policy import InProcessLink, LocalPolicy, PolicyCore
 from actors.stats import RequestRecord
 from policies.asd import ASDConfig
 from tests.conftest import REPETITIVE_PROMPTS
@@ -124,58 +124,64 @@ def test_seeded_relaxed_request_reproduces_alone_and_in_a_batch(tiny):
     assert alone.record.draft_tokens > 0 and alone.record.regret_spent > 0  # the relaxed rule decided
 
 
-class ForgetfulPolicy(LocalPolicy):
-    """A policy that loses every ledger before its 3rd and 6th settles, as a restarted policy actor does."""
+class RestartingLink(InProcessLink):
+    """An authority that restarts (a fresh `PolicyCore`, every mirror lost) after its 3rd and 6th reports, and
+    checks at every report that its mirror of each ledger equals the unit's lease."""
 
-    def __init__(self, core):
+    def __init__(self, core, unit_policy=None):
         super().__init__(core)
-        self.settles = 0
+        self.unit_policy, self.reports, self.mirrored = unit_policy, 0, set()
 
-    async def settle(self, asd, report, plan_for, batch_size):
-        self.settles += 1
-        if self.settles in (3, 6):
-            self.core.ledgers.clear()
-        return await super().settle(asd, report, plan_for, batch_size)
+    def submit(self, report):
+        done = super().submit(report)
+        self.reports += 1
+        if self.unit_policy is not None:
+            for rid, (_, ledger) in self.unit_policy.ledgers.items():
+                if rid in self.core.ledgers:
+                    self.mirrored.add(rid)
+                    assert self.core.ledgers[rid].spent == ledger.spent
+        if self.reports in (3, 6):
+            self.core = PolicyCore(**self.core.settings)
+        return done
 
 
-def test_policy_restart_restores_relaxed_ledgers(tiny):
-    """Ledgers lost mid-request are reopened with the budget and the spend so far; the requests continue with
-    exactly the budget they had left, so seeded output and spend equal a run without the restart."""
+def test_an_authority_restart_loses_no_ledger(tiny):
+    """The authority's restart loses nothing: units hold their ledgers and send them all to the new one, so
+    seeded output and spend equal a run without the restart, and the mirror equals the leases."""
     arm = relaxed(1.5, g=2.0, m=4)
 
-    def run(policy_cls):
+    def run(restart):
         coord = Coordinator.local(Engine(tiny[0], max_slots=16, max_seq_len=256), model_drafter(tiny),
                                   PolicyCore(gamma_max=6, fixed_gamma=4))
-        coord.policy = policy_cls(coord.policy.core)
+        if restart:
+            coord.policy.link = RestartingLink(coord.policy.core, coord.policy)
         outs = coord.generate_many_sync([sampled(f"r{i}", p, arm, seed=i, n=24) for i, p in enumerate(PROMPTS)])
         return outs, coord.policy
 
-    plain, _ = run(LocalPolicy)
-    restarted, policy = run(ForgetfulPolicy)
-    assert policy.settles > 6
+    plain, _ = run(False)
+    restarted, policy = run(True)
+    assert policy.link.reports > 6 and policy.link.mirrored
     assert [o.token_ids for o in restarted] == [o.token_ids for o in plain]
     for a, b in zip(restarted, plain):
         assert a.record.regret_spent == pytest.approx(b.record.regret_spent, abs=1e-5)
         assert a.record.regret_spent <= 1.5 + 1e-9
-    assert policy.core.open_ledgers() == []
+    assert policy.link.core.open_ledgers() == [] and policy.open_ledgers() == []
 
 
 class RecordingPolicy(LocalPolicy):
-    """Records (arm, kind of scores, rows) of every settle call that verifies ASD rows."""
+    """Records (arm, kind of scores, rows) of every ASD verification."""
 
     def __init__(self, core):
         super().__init__(core)
         self.calls = []
 
-    async def settle(self, asd, report, plan_for, batch_size):
-        if asd is not None:
-            self.calls.append((asd.arm, type(asd.scores).__name__, len(asd.request_ids), report is not None))
-        return await super().settle(asd, report, plan_for, batch_size)
+    def verify_asd(self, asd):
+        self.calls.append((asd.arm, type(asd.scores).__name__, len(asd.request_ids)))
+        return super().verify_asd(asd)
 
 
-def test_one_settle_per_arm_and_rule(tiny):
-    """Greedy and sampled rows of one relaxed arm settle in two calls a round (TargetScores, SampledScores);
-    the round's report rides on the first call only."""
+def test_one_verification_per_arm_and_rule(tiny):
+    """Greedy and sampled rows of one relaxed arm verify in two batches a round (TargetScores, SampledScores)."""
     coord = Coordinator.local(Engine(tiny[0], max_slots=16, max_seq_len=256), model_drafter(tiny),
                               PolicyCore(gamma_max=4, fixed_gamma=3))
     coord.policy = RecordingPolicy(coord.policy.core)
@@ -185,5 +191,5 @@ def test_one_settle_per_arm_and_rule(tiny):
             sampled("s0", PROMPTS[2], arm, seed=1, n=6), sampled("s1", PROMPTS[3], arm, seed=2, n=6)]
     coord.generate_many_sync(reqs)
     calls = coord.policy.calls
-    assert ("relaxed", "TargetScores", 2, True) in calls and ("relaxed", "SampledScores", 2, False) in calls
+    assert ("relaxed", "TargetScores", 2) in calls and ("relaxed", "SampledScores", 2) in calls
     assert all(call[0] == "relaxed" and call[2] == 2 for call in calls)
