@@ -51,6 +51,7 @@ class RequestBook:
     accepted_per_position: list[int] = field(default_factory=list)
     degraded: bool = False  # a draft was wanted while the drafter was down
     ledger: RegretLedger | None = None
+    ledger_summary: dict | None = None  # the ledger's summary, where the ledger itself stayed in another process
 
     @property
     def rid(self) -> str:
@@ -100,10 +101,26 @@ class RequestBook:
         for k in range(accepted):
             self.accepted_per_position[k] += 1
 
+    def export(self) -> dict:
+        """The accounting in plain values (it crosses vLLM's process boundary); `restore` reads it back."""
+        return {"rounds": self.rounds, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "gammas": list(self.gammas), "accepted_per_position": list(self.accepted_per_position),
+                "degraded": self.degraded, "ledger": self.ledger.summary() if self.ledger is not None else None}
+
+    @classmethod
+    def restore(cls, request: GenerationRequest, exported: dict, *, started_s: float,
+                first_token_s: float | None) -> RequestBook:
+        """The book of `request` from another process's `export` ({} for a request that never ran a step)."""
+        return cls(request, started_s, first_token_s, rounds=exported.get("rounds", 0),
+                   draft_tokens=exported.get("draft_tokens", 0), accepted_tokens=exported.get("accepted_tokens", 0),
+                   gammas=list(exported.get("gammas", ())),
+                   accepted_per_position=list(exported.get("accepted_per_position", ())),
+                   degraded=exported.get("degraded", False), ledger_summary=exported.get("ledger"))
+
     def record(self, *, unit: str, finish_reason: str, output_tokens: int, finished_s: float) -> RequestRecord:
         """The finished request's record (the same keys and meanings on both engines)."""
         req, arm = self.request, self.request.arm
-        summary = self.ledger.summary() if self.ledger is not None else None
+        summary = self.ledger.summary() if self.ledger is not None else self.ledger_summary
         on_asd_arm = arm.verification == "asd"
         return RequestRecord(
             request_id=self.rid, arm=arm.name, unit=unit, prompt_tokens=len(req.prompt_ids),

@@ -218,8 +218,12 @@ class UnitPolicy:
         verdict = verify(asd.draft_ids, asd.scores, ledgers, asd.config, draft_lens=asd.draft_lens)
         for rid, k, n in zip(asd.request_ids, asd.draft_lens.tolist(), verdict.num_accepted.tolist()):
             self.observe(rid, asd.arm, k, n)
-        self._dirty.update(asd.request_ids)
+        self.charged(asd.request_ids)
         return verdict
+
+    def charged(self, request_ids) -> None:
+        """These requests' leases were charged: their state goes with the next report."""
+        self._dirty.update(request_ids)
 
     # --- reports -----------------------------------------------------------------------------------------
     def flush(self, *, wait: bool = False) -> None:

@@ -169,6 +169,12 @@ def model_info(source) -> dict:
     }
 
 
+def context_length(max_seq_len: int | None, info: dict) -> int:
+    """The effective max_seq_len: the configured one, within the model's positions (None: the model's)."""
+    limit = info["max_position_embeddings"]
+    return min(max_seq_len or limit, limit)
+
+
 def _generation_eos(directory: Path | None):
     path = directory / "generation_config.json" if directory else None
     if path is None or not path.is_file():

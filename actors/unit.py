@@ -1,43 +1,45 @@
-"""A unit: one coordinator with its drafter, its target and the policy (DESIGN.md: the thing autoscaling
-replicates).
+"""A unit: what a Serve decoder replica runs, and the one place that picks its engine.
 
-`build_unit(on_ray=True)` is what a Serve decoder replica runs: a tensor-parallel `TargetGroup` of shard
-actors in one placement group, a model drafter in its own actor (restarted by Ray when it dies; meanwhile the
-unit decodes target-only and marks requests degraded), and the app's policy actor. `build_unit(on_ray=False)`
-builds the same unit in the caller's process (CLI `generate`, tests, benchmarks). The n-gram and suffix
-drafters always run in the coordinator's process.
-
-A target with `in_replica=True` (tensor-parallel size 1 only) runs in the coordinator's process on Ray too:
-no actor call per round (~5 ms on a 2-core CPU), at the price that the replica holds the model and its torch
-threads, and a crash of the engine's process takes the replica down (Serve restarts it) instead of one actor.
+`Unit` is the contract both engines implement (`actors.coordinator.Coordinator` on the native engine,
+`actors.engines.vllm.unit.VllmUnit` on vLLM). `make_unit` builds either from the config's setups, with its
+`UnitPolicy` reporting to the app's policy actor on Ray, or to a `PolicyCore` in the process off Ray.
+`build_unit` assembles a native unit: on Ray, a tensor-parallel `TargetGroup` of shard actors and a model drafter
+in its own actor; off Ray (or `in_replica`), the engine in the caller's process.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, Sequence
 
 from actors.coordinator import Coordinator
 from actors.drafting import DrafterSetup, LocalDrafter, check_vocab, make_drafter
 from actors.policy import LocalPolicy, PolicyCore, UnitPolicy
+from actors.requests import GenerationChunk, GenerationRequest
+from actors.setup import TargetSetup
+from actors.sources import context_length
 from actors.stats import LoopObserver
 from actors.target import LocalTarget
 
 
-@dataclass(frozen=True)
-class TargetSetup:
-    """The target of a unit: its model, engine placement and KV capacity."""
+class Unit(Protocol):
+    """One decoding unit, on either engine."""
 
-    source: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    tp_size: int = 1
-    max_slots: int = 8  # sequences decoded together (KV cache slots)
-    max_seq_len: int | None = None  # None: the model's max_position_embeddings
-    prefill_chunk_tokens: int | None = None  # prompt tokens per unit step (actors.prefill); None: whole prompts
-    resources: dict = field(default_factory=dict)  # Ray resources of each shard: num_cpus, num_gpus, memory_gb
-    placement_strategy: str = "STRICT_PACK"
-    in_replica: bool = False  # TP 1: the engine in the coordinator's process, also on Ray (no shard actor)
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's tokens; the last chunk carries the finish reason and the `RequestRecord`."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def close(self) -> None:
+        """Abort what runs and free the unit's engine, actors and placement."""
+
+    def healthy(self) -> bool:
+        """False once the unit cannot serve again (Serve then replaces its replica)."""
+
+    async def stats(self) -> dict[str, Any]:
+        """What it holds: active_requests, target_sequences, drafter_sequences, open_ledgers (leak checks)."""
+
+    def active_requests(self) -> list[str]: ...
 
 
 def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = DrafterSetup(),
@@ -53,7 +55,7 @@ def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = Drafte
     info = model_info(target.source)
     if drafter.kind == "model":
         check_vocab(target.source, info["vocab_size"], drafter.source, model_info(drafter.source)["vocab_size"])
-    max_seq_len = min(target.max_seq_len or info["max_position_embeddings"], info["max_position_embeddings"])
+    max_seq_len = context_length(target.max_seq_len, info)
     if on_ray and policy is None:
         raise ValueError("policy (the app's RemotePolicy) is required when on_ray=True")
     if on_ray and not target.in_replica:
@@ -83,3 +85,35 @@ def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = Drafte
         max_batch_size=target.max_slots, unit=unit, observer=observer, vocab_size=info["vocab_size"],
         prefill_chunk_tokens=target.prefill_chunk_tokens,
     )
+
+
+def make_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup, policy: dict[str, Any],
+              policy_actor: str | None = None, observer: LoopObserver | None = None,
+              torch_threads: int | None = None, on_ray: bool = True) -> Unit:
+    """The unit of a config on its engine, started. `policy`: the γ settings (`actors.policy.gamma_policy`);
+    `policy_actor`: the app's policy actor (on Ray; None with on_ray=False, an in-process authority)."""
+    if on_ray and policy_actor is None:
+        raise ValueError("policy_actor (the app's policy actor name) is required when on_ray=True")
+    if target.engine == "vllm":
+        from actors.engines.vllm.unit import VllmUnit
+
+        return VllmUnit(unit=unit, setup=target, drafter=drafter, policy=policy, observer=observer,
+                        torch_threads=torch_threads or 1, policy_actor=policy_actor if on_ray else None).start()
+    if on_ray:
+        from actors.remote.policy import RemotePolicy
+
+        unit_policy: UnitPolicy = RemotePolicy(policy_actor, unit=unit, **policy)
+    else:
+        unit_policy = LocalPolicy(PolicyCore(**policy), unit=unit)
+    return build_unit(unit=unit, target=target, drafter=drafter, policy=unit_policy, observer=observer,
+                      torch_threads=torch_threads, on_ray=on_ray)
+
+
+def replica_resources(target: TargetSetup, coordinator_cpus: float) -> dict[str, float]:
+    """Ray resources of one unit's Serve replica: the coordinator's, plus the target's where it runs in the
+    replica (vLLM's engine core and its `tp_size` workers are the replica's subprocesses: every shard's)."""
+    shards = target.tp_size if target.engine == "vllm" else (1 if target.in_replica else 0)
+    options = {"num_cpus": coordinator_cpus + target.resources.get("num_cpus", 1.0) * shards}
+    if shards and target.resources.get("num_gpus"):
+        options["num_gpus"] = target.resources["num_gpus"] * shards
+    return options

@@ -174,3 +174,22 @@ def test_declared_dependencies_equal_the_imported_ones():
         "imported by the package but declared only for tests")
     unused = declared - set(used) - {_norm(n) for n in INDIRECT}
     assert not unused, f"declared but never imported: {sorted(unused)}"
+
+
+# Where a branch on the engine may live: the unit factory, the drafter factory and the config's validation.
+ENGINE_BRANCHES = {"actors.unit", "actors.drafting", "cluster.config.engines", "cluster.config.schema",
+                   "cluster.config.load"}
+
+
+def test_only_the_factories_branch_on_the_engine():
+    """No `... == "vllm"` outside the factories: the serving layer builds a unit and never asks which engine."""
+    found = []
+    for module, path in MODULES.items():
+        if module in ENGINE_BRANCHES or module.split(".")[0] not in ("policies", "actors", "cluster") \
+                or module.startswith("cluster.bench"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.Eq, ast.NotEq)) and any(
+                    isinstance(c, ast.Constant) and c.value == "vllm" for c in [node.left, *node.comparators]):
+                found.append(f"{module}:{node.lineno}")
+    assert not found, f"engine branches outside the unit factory: {found}"

@@ -61,3 +61,15 @@ class RemotePolicy(UnitPolicy):
 async def forget_ledger(name: str, settings: dict[str, Any], request_id: str) -> None:
     """Drop a ledger whose unit died before closing it (the unit can no longer report)."""
     await get_or_create_policy_actor(name, **settings).forget.remote(request_id)
+
+
+def policy_actor_address(name: str) -> dict[str, str]:
+    """How a process outside Ray's workers (vLLM's worker) finds the app's policy actor `name`."""
+    return {"address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE, "name": name}
+
+
+def policy_from_outside(where: dict[str, str], *, unit: str, **settings: Any) -> RemotePolicy:
+    """A `RemotePolicy` in a process that joins the unit's Ray cluster as a driver (`policy_actor_address`)."""
+    if not ray.is_initialized():
+        ray.init(address=where["address"], namespace=where["namespace"], log_to_driver=False, configure_logging=False)
+    return RemotePolicy(where["name"], unit=unit, **settings)

@@ -35,3 +35,11 @@ def check_engine_kwargs(engine: str, kwargs: dict[str, Any], prefill_chunk_token
     if owned:
         raise ValueError(f"engine_kwargs may not set {owned}: specserve sets them from the config "
                          "(source, tensor_parallel_size, max_seq_len, the drafter and γ settings)")
+
+
+def check_arms_on_engine(target_engine: str, arms) -> None:
+    """An arm may not ask the engine for a verification it cannot run (the error names the field)."""
+    for i, arm in enumerate(arms):
+        if target_engine == "vllm" and arm.asd is not None and arm.asd.sampled == "relaxed":
+            raise ValueError(f"arms[{i}].asd.sampled: 'relaxed' is not available on engine 'vllm' (its sampled "
+                             "requests are verified by vLLM's exact rejection sampler); use 'exact' or engine 'native'")

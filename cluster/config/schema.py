@@ -1,13 +1,9 @@
 """The specserve configuration: one validated object from YAML to every component.
 
-`SpecServeConfig` is the whole deployment: the **target** model (tensor-parallel across GPUs), the **drafter**
-that proposes γ tokens per round, the **arms** traffic is split across (exact or ASD verification), the γ
-policy, HTTP limits, the **unit** (one coordinator with its drafter and target group; the thing autoscaling
-replicates), Serve autoscaling, telemetry and the quality audit. Every field has a description (the README's
-reference table is generated from them) and every section forbids unknown keys.
-
-The schema itself is offline: it never opens a model. Checks that need the model's own config (tensor-parallel
-size vs attention heads, drafter vs target vocabulary) live in `cluster.config.load.validate_models`.
+`SpecServeConfig` is the whole deployment: target, drafter, arms, γ policy, serving limits, unit, autoscaling,
+telemetry and audit. Every field has a description (the README's reference table is generated from them) and
+every section forbids unknown keys. The schema never opens a model: checks that need the model's own config live
+in `cluster.config.load.validate_models`.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cluster.config.engines import (DRAFTER_ENGINE_DESCRIPTION, ENGINE_DESCRIPTION, ENGINE_KWARGS_DESCRIPTION, Engine,
-                                    check_drafter_engine, check_engine_kwargs)
+                                    check_arms_on_engine, check_drafter_engine, check_engine_kwargs)
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
@@ -389,6 +385,7 @@ class SpecServeConfig(_Strict):
         if self.target.max_seq_len is not None and self.serving.max_tokens_limit >= self.target.max_seq_len:
             raise ValueError("serving.max_tokens_limit must be < target.max_seq_len (the prompt needs room)")
         check_drafter_engine(self.drafter.engine, self.target.engine)
+        check_arms_on_engine(self.target.engine, self.arms)
         return self
 
     def arm(self, name: str) -> ArmConfig:

@@ -56,23 +56,11 @@ def decoder_options(config: SpecServeConfig) -> dict[str, Any]:
 
 
 def replica_resources(config: SpecServeConfig) -> dict[str, float]:
-    """Ray resources of one decoder replica: the coordinator's, plus the target's when it runs in the replica.
+    """Ray resources of one decoder replica (`actors.unit.replica_resources`)."""
+    from actors.unit import replica_resources as unit_resources
+    from cluster.serving.decoder import unit_setup
 
-    On the vLLM engine the replica starts vLLM's engine core and its `tensor_parallel_size` workers as its own
-    subprocesses, so it reserves every shard's resources (GPUs included: the workers see the replica's GPUs)."""
-    target = config.target
-    if target.engine == "vllm":
-        tp = target.tensor_parallel_size
-        options = {"num_cpus": config.unit.num_cpus + target.resources.num_cpus * tp}
-        if target.resources.num_gpus:
-            options["num_gpus"] = target.resources.num_gpus * tp
-        return options
-    if not target.in_replica:
-        return {"num_cpus": config.unit.num_cpus}
-    options = {"num_cpus": config.unit.num_cpus + target.resources.num_cpus}
-    if target.resources.num_gpus:
-        options["num_gpus"] = target.resources.num_gpus
-    return options
+    return unit_resources(unit_setup(config)["target"], config.unit.num_cpus)
 
 
 def ingress_options(config: SpecServeConfig) -> dict[str, Any]:

@@ -1,18 +1,9 @@
-"""The decoder deployment: one Serve replica is one **unit** (coordinator + drafter + target TP group).
+"""The decoder deployment: one Serve replica is one **unit** (`actors.unit.Unit`, on either engine).
 
-The ingress sends a `DecodeJob` (prompt ids already validated, sampling parameters, arm, stop strings) through a
-streaming Serve handle; the replica runs it on its coordinator, which batches it with every other request the
-replica holds, and streams back events:
-
-    UnitStarted   first, as soon as the replica accepted the job (so the ingress can answer 503 or start SSE)
-    TextDelta     per committed chunk: the new token ids and the text that is safe to send (`TextAssembler`);
-                  only for streaming jobs: a non-streaming one gets its whole text with `Finished`, one message
-                  through Serve instead of one per chunk
-    Finished      last: finish reason, output token ids and the `usage.speculative` object
-
-Stop strings end a request here, next to the coordinator: the replica aborts the sequence (freeing its KV caches
-and closing its ledger) and still reports usage. A cancelled stream (client disconnect) frees the same way.
-Autoscaling adds and removes whole units; a removed replica drains, then `__del__` closes its unit.
+The ingress sends a `DecodeJob` through a streaming Serve handle; the replica runs it on its unit and streams
+back `UnitStarted` (accepted), `TextDelta`s (committed tokens and the text safe to send; streaming jobs only)
+and one `Finished` (finish reason, output ids, `usage.speculative`). Stop strings end a request here, next to
+the unit, which aborts the sequence and still reports usage; a cancelled stream frees the same way.
 """
 
 from __future__ import annotations
@@ -84,15 +75,15 @@ def policy_kwargs(config: SpecServeConfig) -> dict[str, Any]:
 
 
 def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
-    """`actors.unit.build_unit` arguments that come from the config: the target's and the drafter's setups and
-    the threads per actor (add unit, policy, observer, on_ray)."""
+    """The unit's setups from the config: the target's, the drafter's and the threads per actor."""
     from actors.drafting import DrafterSetup
-    from actors.unit import TargetSetup
+    from actors.setup import TargetSetup
 
     target, drafter = config.target, config.drafter
     return dict(
         target=TargetSetup(
-            source=target.source, dtype=target.dtype, device=target.device, tp_size=target.tensor_parallel_size,
+            source=target.source, engine=target.engine, engine_kwargs=dict(target.engine_kwargs),
+            dtype=target.dtype, device=target.device, tp_size=target.tensor_parallel_size,
             max_slots=target.max_batch_size, max_seq_len=target.max_seq_len,
             prefill_chunk_tokens=target.prefill_chunk_tokens,
             resources=target.resources.model_dump(), placement_strategy=target.placement_strategy,
@@ -109,29 +100,19 @@ def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
     )
 
 
-def vllm_unit(config: SpecServeConfig, unit: str, observer=None):
-    """The config's unit on vLLM's engine (`target.engine: vllm`), started (blocking). The γ policy and the
-    ledgers run inside vLLM's worker (`actors.engines.vllm.worker`), with the policy actor's settings; a model
-    drafter runs in its own actor."""
-    from actors.engines.vllm.unit import VllmSetup, VllmUnit
+def config_unit(config: SpecServeConfig, unit: str, observer=None, *, app_name: str | None = None):
+    """The config's unit on its engine, started (blocking). With `app_name` it runs on Ray and reports to the
+    app's policy actor; without, it is built in this process with its own authority (CLI `generate`, `eval`)."""
+    from actors.unit import make_unit
 
-    target = config.target
-    setup = VllmSetup(source=target.source, dtype=target.dtype, tp_size=target.tensor_parallel_size,
-                      max_slots=target.max_batch_size, max_seq_len=target.max_seq_len,
-                      engine_kwargs=dict(target.engine_kwargs))
-    return VllmUnit(unit=unit, setup=setup, drafter=unit_setup(config)["drafter"], policy=policy_kwargs(config),
-                    observer=observer, torch_threads=config.unit.torch_threads or 1).start()
+    return make_unit(unit=unit, policy=policy_kwargs(config), observer=observer, on_ray=app_name is not None,
+                     policy_actor=policy_actor_name(app_name) if app_name is not None else None,
+                     **unit_setup(config))
 
 
 def local_unit(config: SpecServeConfig, unit: str = "local", observer=None):
-    """The config's unit built in this process (no Ray) with its own `PolicyCore`: CLI `generate`, `eval`."""
-    from actors.policy import LocalPolicy, PolicyCore
-    from actors.unit import build_unit
-
-    if config.target.engine == "vllm":
-        return vllm_unit(config, unit, observer)
-    return build_unit(unit=unit, policy=LocalPolicy(PolicyCore(**policy_kwargs(config))), observer=observer,
-                      on_ray=False, **unit_setup(config))
+    """The config's unit in this process (no Ray)."""
+    return config_unit(config, unit, observer)
 
 
 async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> AsyncIterator[TextDelta | Finished]:
@@ -204,9 +185,7 @@ class DecoderUnit:
     def __init__(self, config: dict[str, Any]):
         from ray import serve
 
-        from actors.remote.policy import RemotePolicy
         from actors.sources import load_tokenizer
-        from actors.unit import build_unit
         from cluster.observability.observer import UnitObserver, remote_sender
         from cluster.observability.telemetry import get_or_create_hub
 
@@ -214,15 +193,9 @@ class DecoderUnit:
         context = serve.get_replica_context()
         self.app_name = context.app_name
         self.unit = f"{context.deployment}-{context.replica_id.unique_id}"
-        self.policy = RemotePolicy(policy_actor_name(self.app_name), **policy_kwargs(self.config))
         hub = get_or_create_hub(self.app_name, self.config.telemetry, [arm.name for arm in self.config.arms])
         self.observer = UnitObserver(remote_sender(hub), self.unit, self.config.telemetry)
-        if self.config.target.engine == "vllm":
-            self.coordinator = vllm_unit(self.config, self.unit, self.observer)
-        else:
-            self.coordinator = build_unit(
-                unit=self.unit, policy=self.policy, observer=self.observer, on_ray=True, **unit_setup(self.config),
-            )
+        self.coordinator = config_unit(self.config, self.unit, self.observer, app_name=self.app_name)
         self.tokenizer = load_tokenizer(self.config.target.source)
         self._closed = False
         logger.info("unit %s ready (target %s)", self.unit, self.config.target.source)
@@ -237,28 +210,19 @@ class DecoderUnit:
             yield event
 
     def check_health(self) -> None:
-        """Serve's health check: a unit whose vLLM engine died and could not be started again is unhealthy, so
-        Serve replaces the replica (the native engine rebuilds its target within the unit)."""
-        if not getattr(self.coordinator, "healthy", lambda: True)():
-            raise RuntimeError(f"unit {self.unit}: its vLLM engine is gone and could not be started again")
+        """Serve's health check: a unit that cannot serve again makes Serve replace the replica."""
+        if not self.coordinator.healthy():
+            raise RuntimeError(f"unit {self.unit}: its engine is gone and could not be started again")
 
     async def stats(self) -> dict[str, Any]:
-        """Debug state for leak checks: the unit's active requests, the sequences holding KV cache in its
-        target and its drafter actor (if it has one), and the app's open ledgers (every unit's)."""
-        if self.config.target.engine == "vllm":  # ledgers and drafter state live in vLLM's worker
-            worker, kv = await self.coordinator.worker_state(), await self.coordinator.kv_stats()
-            return {"unit": self.unit, "active_requests": self.coordinator.active_requests(),
-                    "target_sequences": worker["requests"], "drafter_sequences": worker["drafter"],
-                    "open_ledgers": worker["ledgers"], "kv": kv}
-        open_ledgers = await self.policy.open_ledgers()
-        drafter = getattr(self.coordinator.drafter, "handle", None)  # a model drafter's actor
-        return {
-            "unit": self.unit,
-            "active_requests": self.coordinator.active_requests(),
-            "target_sequences": list(await self.coordinator.target.active_ids()),
-            "drafter_sequences": list(await drafter.active_ids.remote()) if drafter is not None else [],
-            "open_ledgers": list(open_ledgers),
-        }
+        """Debug state for leak checks: the unit's `stats()`, with `open_ledgers` also holding every ledger the
+        app's policy actor still mirrors (every unit's)."""
+        from actors.remote.policy import get_or_create_policy_actor
+
+        stats = await self.coordinator.stats()
+        actor = get_or_create_policy_actor(policy_actor_name(self.app_name), **policy_kwargs(self.config))
+        stats["open_ledgers"] = sorted(set(stats["open_ledgers"]) | set(await actor.open_ledgers.remote()))
+        return stats
 
     async def __del__(self):
         """Serve calls this when the replica stops (after draining): free the unit's actors."""

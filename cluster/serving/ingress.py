@@ -119,7 +119,6 @@ class OpenAIIngress:
             self.config.audit.reference_arm, self._send_audit, max_pending=self.config.audit.max_pending
         )
         self._hub = None
-        self._policy = None
         self.created = int(time.time())
         serving = self.config.serving
         self.timeout_s = deadline_s(serving.request_timeout_s)
@@ -332,12 +331,10 @@ class OpenAIIngress:
         self.hub().record.remote([record])
 
     async def _forget(self, job: DecodeJob) -> None:
-        """The unit that held `job` died: close the ledger it left open in the app's policy actor."""
-        from actors.remote.policy import RemotePolicy
+        """The unit that held `job` died: drop the ledger the app's policy actor still mirrors for it."""
+        from actors.remote.policy import forget_ledger
 
         try:
-            if self._policy is None:
-                self._policy = RemotePolicy(policy_actor_name(self.app_name), **policy_kwargs(self.config))
-            await self._policy.close_request(job.request_id)
-        except Exception as err:  # the policy restarting loses the ledger anyway
-            logger.warning("request %s: closing the ledger of a lost unit failed: %s", job.request_id, err)
+            await forget_ledger(policy_actor_name(self.app_name), policy_kwargs(self.config), job.request_id)
+        except Exception as err:  # the policy restarting loses the mirror anyway
+            logger.warning("request %s: dropping the ledger of a lost unit failed: %s", job.request_id, err)

@@ -227,3 +227,14 @@ def test_a_config_naming_vllm_fails_at_load_naming_the_extra_when_vllm_is_missin
                                           r"specserve\[vllm-cpu\]"):
         load_config("configs/local-vllm.yaml")
     assert load_config("configs/local-vllm.yaml", check_engines=False).target.engine == "vllm"
+
+
+def test_relaxed_sampled_asd_on_vllm_fails_at_load_naming_the_field():
+    """vLLM verifies sampled requests with its exact rejection sampler: an arm asking for ASD's relaxed sampled
+    rule there is refused at load, not silently verified exactly."""
+    from cluster.config import parse_config
+
+    arms = [{"name": "exact"}, {"name": "asd", "verification": "asd", "asd": {"sampled": "relaxed"}}]
+    with pytest.raises(ValueError, match=r"arms\[1\]\.asd\.sampled"):
+        parse_config({"name": "x", "target": {"source": "embedded:smollm2", "served_name": "m", "engine": "vllm"},
+                      "arms": arms})

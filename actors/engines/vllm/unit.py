@@ -25,12 +25,15 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from actors.bookkeeping import RequestBook
 from actors.drafting import DrafterSetup
 from actors.requests import GenerationChunk, GenerationRequest, GenerationResult, collect
 from actors.stats import LoopObserver, NullObserver, RequestRecord
+
+if TYPE_CHECKING:
+    from actors.setup import TargetSetup
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +46,9 @@ class EngineStartError(RuntimeError):
     """vLLM's engine did not start; the message carries vLLM's own error."""
 
 
-@dataclass(frozen=True)
-class VllmSetup:
-    """What a vLLM-engine unit needs from the config (`cluster.serving.decoder.unit_setup`)."""
-
-    source: str
-    dtype: str = "float32"
-    tp_size: int = 1
-    max_slots: int = 8
-    max_seq_len: int | None = None
-    engine_kwargs: dict = field(default_factory=dict)
-
-
-def engine_args(setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any], *, model_dir: str,
-                max_seq_len: int, record_asd: bool = False, drafter_actor: dict | None = None) -> dict[str, Any]:
+def engine_args(setup: TargetSetup, drafter: DrafterSetup, policy: dict[str, Any], *, model_dir: str,
+                max_seq_len: int, record_asd: bool = False, drafter_actor: dict | None = None,
+                unit: str = "vllm", policy_actor: dict | None = None) -> dict[str, Any]:
     """vLLM `AsyncEngineArgs` keywords: specserve's proposer when it drafts, its settings in
     `additional_config`, the worker extension; `engine_kwargs` last (the schema keeps it off specserve's own)."""
     drafting = drafter.kind != "none"
@@ -67,7 +59,8 @@ def engine_args(setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any],
         # a Ray process (engine_kwargs may choose it, with the placement it needs)
         worker_extension_cls=EXTENSION, distributed_executor_backend="mp",
         additional_config={"specserve": {
-            "policy": policy, "record_asd": record_asd, "drafter_actor": drafter_actor,
+            "unit": unit, "policy": policy, "policy_actor": policy_actor, "record_asd": record_asd,
+            "drafter_actor": drafter_actor,
             "drafter": {"kind": drafter.kind, "prompt_lookup_min": drafter.prompt_lookup_min,
                         "prompt_lookup_max": drafter.prompt_lookup_max, "suffix_max_depth": drafter.suffix_max_depth,
                         "suffix_min_confidence": drafter.suffix_min_confidence,
@@ -84,16 +77,17 @@ def engine_args(setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any],
 class VllmUnit:
     """One unit on vLLM. Build it with `start()` (blocking: vLLM loads and warms the model)."""
 
-    def __init__(self, *, unit: str, setup: VllmSetup, drafter: DrafterSetup, policy: dict[str, Any],
+    def __init__(self, *, unit: str, setup: TargetSetup, drafter: DrafterSetup, policy: dict[str, Any],
                  observer: LoopObserver | None = None, eos_token_ids: Sequence[int] | None = None,
-                 record_asd: bool = False, torch_threads: int = 1):
+                 record_asd: bool = False, torch_threads: int = 1, policy_actor: str | None = None):
         from actors.engines.vllm import require_vllm
-        from actors.sources import model_info, resolve
+        from actors.remote.policy import policy_actor_address
+        from actors.sources import context_length, model_info, resolve
 
         require_vllm()
         info = model_info(setup.source)
         self.unit, self.setup, self.drafter_setup = unit, setup, drafter
-        self.max_seq_len = min(setup.max_seq_len or info["max_position_embeddings"], info["max_position_embeddings"])
+        self.max_seq_len = context_length(setup.max_seq_len, info)
         self.eos_token_ids = tuple(info["eos_token_ids"] if eos_token_ids is None else eos_token_ids)
         self.observer = observer or NullObserver()
         self.drafter_actor, where = None, None
@@ -109,7 +103,7 @@ class VllmUnit:
         self._drafter_where = where
         self.args = engine_args(setup, drafter, policy, model_dir=str(resolve(setup.source)),
                                 max_seq_len=self.max_seq_len, record_asd=record_asd,
-                                drafter_actor=where)
+                                drafter_actor=where, unit=unit, policy_actor=policy_actor_address(policy_actor) if policy_actor else None)
         self.engine = None
         self.generation = 0  # engines started (a rebuild after a death counts)
         self._inflight: set[str] = set()
@@ -219,6 +213,12 @@ class VllmUnit:
         engine = await self._engine()
         return await engine.engine_core.call_utility_async("specserve_kv_stats")
 
+    async def stats(self) -> dict[str, Any]:
+        """What the unit holds: active requests, the worker's live books, ledgers and drafter state, vLLM's KV."""
+        worker, kv = await self.worker_state(), await self.kv_stats()
+        return {"unit": self.unit, "active_requests": self.active_requests(), "target_sequences": worker["requests"],
+                "drafter_sequences": worker["drafter"], "open_ledgers": worker["ledgers"], "kv": kv}
+
     async def worker_state(self) -> dict[str, list[str]]:
         """What the worker holds for live requests: their records, open ledgers and drafter state."""
         engine = await self._engine()
@@ -232,7 +232,7 @@ class VllmUnit:
         if rid in self._inflight:
             raise ValueError(f"request_id {rid!r} is already running on unit {self.unit}")
         engine = await self._engine()
-        started, first = time.monotonic(), None
+        started, first = time.time(), None
         tokens: list[int] = []
         reason, error = "abort", None
         self._inflight.add(rid)
@@ -241,7 +241,7 @@ class VllmUnit:
             async for out in stream:
                 new = list(out.outputs[0].token_ids)
                 if new and first is None:
-                    first = time.monotonic()
+                    first = time.time()
                 tokens.extend(new)
                 if out.finished:
                     reason = out.outputs[0].finish_reason or "abort"
@@ -282,6 +282,8 @@ class VllmUnit:
         """The worker's record of a finished request (and the worker forgets it); {} if it cannot be read."""
         try:
             taken = await asyncio.wait_for(engine.collective_rpc("specserve_take", args=([rid],)), RECORD_TIMEOUT_S)
+            if not self._inflight:  # going idle: the worker's last observations and closes reach the authority
+                await asyncio.wait_for(engine.collective_rpc("specserve_flush"), RECORD_TIMEOUT_S)
             return taken[0].get(rid, {})
         except Exception as err:  # noqa: BLE001 - the request is over either way
             log.warning("unit %s: no record for %s (%s)", self.unit, rid, err)
@@ -297,36 +299,19 @@ class VllmUnit:
 
         from actors.engines.vllm.worker import request_settings
 
-        p, arm = request.params, request.arm
-        sampled = p.temperature > 0
+        p = request.params
         return SamplingParams(
             max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0, seed=p.seed,
             stop_token_ids=self._stops(request),
             ignore_eos=p.ignore_eos, detokenize=False, output_kind=RequestOutputKind.DELTA,
             extra_args={"specserve": request_settings(
-                request.request_id, arm.name, speculate=request.speculate and self.drafter_setup.kind != "none",
-                seeded=sampled and p.seed is not None, asd=arm.asd if arm.verification == "asd" else None)},
+                request, speculate=request.speculate and self.drafter_setup.kind != "none")},
         )
 
     def _record(self, request: GenerationRequest, worker: dict[str, Any], tokens: list[int], started: float,
                 first: float | None, reason: str) -> RequestRecord:
-        arm = request.arm
-        sampled = request.params.temperature > 0
-        asd_ran = arm.verification == "asd" and not sampled
-        return RequestRecord(
-            request_id=request.request_id, arm=arm.name, unit=self.unit, prompt_tokens=len(request.prompt_ids),
-            output_tokens=len(tokens), rounds=worker.get("rounds", 0), draft_tokens=worker.get("draft_tokens", 0),
-            accepted_tokens=worker.get("accepted_tokens", 0), gammas=tuple(worker.get("gammas", ())),
-            started_s=started, first_token_s=first, finished_s=time.monotonic(), finish_reason=reason,
-            degraded=worker.get("degraded", False),
-            verification="asd" if asd_ran else "exact", arm_verification=arm.verification,
-            asd_fallback="sampled" if arm.verification == "asd" and sampled else None, sampled=sampled,
-            regret_spent=worker.get("regret_spent", 0.0 if asd_ran else None),
-            regret_budget=worker.get("regret_budget", arm.asd.budget if arm.asd is not None else None),
-            relaxed_tokens=worker.get("relaxed_tokens", 0 if asd_ran else None),
-            ledger_exhausted=worker.get("ledger_exhausted", False),
-            accepted_per_position=tuple(worker.get("accepted_per_position", ())),
-        )
+        book = RequestBook.restore(request, worker, started_s=started, first_token_s=first)
+        return book.record(unit=self.unit, finish_reason=reason, output_tokens=len(tokens), finished_s=time.time())
 
     # --- synchronous helpers (CLI, benchmarks, tests) --------------------------------------------------------
     def run_sync(self, coro):

@@ -1,34 +1,27 @@
-"""specserve inside vLLM's worker process: drafts and γ per request per step, ASD verification, records.
+"""specserve inside vLLM's worker process: γ per request per step, drafts, ASD verification, bookkeeping.
 
 vLLM builds `SpecserveProposer(vllm_config)` in each worker (`speculative_config.method = "custom_class"`) and
-calls `propose` once per engine step, after sampling, for every request of the batch (row i is request
-`runner.input_batch.req_ids[i]`). `plugin.register` hands the proposer its runner and calls `verify_asd` after
-vLLM's rejection sampler. The unit reads and releases a finished request's record with vLLM's
-`collective_rpc("specserve_take", ...)` on `SpecserveWorkerExtension` (`worker_extension_cls`).
-
-State per worker process (`WORKER`): a `PolicyCore` (γ policy and ASD ledgers, the same object the policy
-actor hosts for the native engine), the unit's drafter, and one `RequestState` per live request. Settings come
-from `vllm_config.additional_config["specserve"]` (the unit's γ and drafter settings) and each request's
-`SamplingParams.extra_args["specserve"]` (arm, ASD config and budget, speculate).
-
-With tensor parallelism every rank runs the same code on the same scheduled tokens and logits, so every rank
-reaches the same verdicts and ledgers; vLLM takes drafts from its output rank only, and the unit reads records
-from rank 0.
+calls `propose` once per engine step for every request of the batch (row i is `runner.input_batch.req_ids[i]`);
+`plugin.register` hands it the runner and calls `verify_asd` after vLLM's rejection sampler. Per request the
+worker keeps the shared `RequestBook` (`actors.bookkeeping`) and its ledger lease in a `UnitPolicy` that
+reports to the app's policy actor (tensor-parallel rank 0 only; every rank verifies alike). The unit takes a
+finished request's book with `collective_rpc("specserve_take", ...)`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from actors.bookkeeping import RequestBook
 from actors.contracts import DraftBatch, DraftRequest
 from actors.drafting import DrafterSetup, make_drafter
-from actors.policy import PolicyCore
+from actors.policy import InProcessLink, PolicyCore, UnitPolicy
+from actors.requests import ArmSpec, GenerationRequest, SamplingParams
 from policies import PAD_TOKEN_ID
 from policies.asd import ASDConfig, verify_asd_scores
 from policies.scores import TargetScores, compact_scores
@@ -36,105 +29,103 @@ from policies.scores import TargetScores, compact_scores
 log = logging.getLogger(__name__)
 
 KEY = "specserve"  # additional_config[KEY] (unit settings) and SamplingParams.extra_args[KEY] (per request)
-_PRUNE_AT = 4096  # records of requests vLLM no longer holds are dropped past this many (a unit that never took them)
+_PRUNE_AT = 4096  # books of requests vLLM no longer holds are dropped past this many (a unit that never took them)
 
 
-@dataclass
-class RequestState:
-    """What specserve tracks for one request in the worker (its `usage.speculative`, minus the unit's part)."""
-
-    arm: str
-    speculate: bool
-    seeded: bool
-    asd: ASDConfig | None  # greedy requests on an ASD arm; None: exact verification
-    rounds: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    gammas: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    last_gamma: int = 0  # drafts proposed for the step now running
-    last_draft: tuple = ()  # (confidence, match_len) of that draft, for the policy
-    internal_id: str = ""  # vLLM's id of the request
-    degraded: bool = False  # a draft was wanted while the model drafter was unavailable
-
-    def record(self, ledger) -> dict[str, Any]:
-        out = {"arm": self.arm, "rounds": self.rounds, "draft_tokens": self.draft_tokens,
-               "accepted_tokens": self.accepted_tokens, "gammas": list(self.gammas),
-               "accepted_per_position": list(self.accepted_per_position), "degraded": self.degraded}
-        if ledger is not None:
-            summary = ledger.summary()
-            out.update(regret_spent=summary["spent"], regret_budget=summary["budget"],
-                       relaxed_tokens=summary["relaxed_tokens"], ledger_exhausted=summary["exhausted"])
-        return out
-
-
-def request_settings(rid: str, arm: str, *, speculate: bool, seeded: bool, asd: ASDConfig | None) -> dict[str, Any]:
-    """A request's `SamplingParams.extra_args[KEY]` (built by the unit)."""
-    out: dict[str, Any] = {"rid": rid, "arm": arm, "speculate": speculate, "seeded": seeded}
-    if asd is not None:
-        out["asd"] = {"g": asd.g, "M": asd.max_relaxed_per_block, "B": asd.budget}
+def request_settings(request: GenerationRequest, *, speculate: bool) -> dict[str, Any]:
+    """A request's `SamplingParams.extra_args[KEY]` (built by the unit; plain values, as vLLM serializes them)."""
+    arm = request.arm
+    out: dict[str, Any] = {"rid": request.request_id, "arm": arm.name, "verification": arm.verification,
+                           "sampled": arm.sampled, "speculate": speculate}
+    if arm.asd is not None:
+        out["asd"] = {"g": arm.asd.g, "M": arm.asd.max_relaxed_per_block, "B": arm.asd.budget}
     return out
 
 
+def _request(cfg: dict[str, Any], params, prompt_ids) -> GenerationRequest:
+    """The unit's request, as far as the worker's bookkeeping needs it, from vLLM's request."""
+    asd = cfg.get("asd")
+    arm = ArmSpec(cfg["arm"], cfg.get("verification", "exact"),
+                  ASDConfig(g=asd["g"], max_relaxed_per_block=asd["M"], budget=asd["B"]) if asd else None,
+                  cfg.get("sampled", "exact"))
+    temperature = 0.0 if params.temperature < 1e-5 else params.temperature
+    sampling = SamplingParams(max_tokens=params.max_tokens or 1, temperature=temperature, seed=params.seed)
+    return GenerationRequest(cfg["rid"], list(prompt_ids or ()), sampling, arm, speculate=bool(cfg["speculate"]))
+
+
+def _policy(settings: dict[str, Any], rank0: bool) -> UnitPolicy:
+    """Rank 0 reports to the app's policy actor when the unit runs on Ray; otherwise an authority in-process."""
+    where = settings.get("policy_actor")
+    if where and rank0:
+        from actors.remote.policy import policy_from_outside
+
+        return policy_from_outside(where, unit=settings.get("unit", "vllm"), **settings["policy"])
+    return UnitPolicy(InProcessLink(PolicyCore(**settings["policy"])), unit=settings.get("unit", "vllm"),
+                      **settings["policy"])
+
+
 class WorkerState:
-    """The policy, the drafter and the live requests of one vLLM worker."""
+    """The policy, the drafter and the live requests' books of one vLLM worker."""
 
     def __init__(self, settings: dict[str, Any], gamma_max: int, max_model_len: int):
-        self.policy = PolicyCore(**settings["policy"])
+        rank0 = _tensor_parallel_rank() == 0
+        self.policy = _policy(settings, rank0)
         if settings["drafter"]["kind"] == "model":
             from actors.remote.drafter import NamedDrafterClient
 
-            self.drafter = NamedDrafterClient(**settings["drafter_actor"], rank0=_tensor_parallel_rank() == 0)
+            self.drafter = NamedDrafterClient(**settings["drafter_actor"], rank0=rank0)
         else:
             self.drafter = make_drafter(DrafterSetup(**settings["drafter"]), max_slots=1, max_seq_len=max_model_len)
         self.gamma_max, self.max_model_len = gamma_max, max_model_len
-        self.requests: dict[str, RequestState] = {}  # by the unit's request id
+        self.books: dict[str, RequestBook] = {}  # by the unit's request id
+        self._internal: dict[str, str] = {}  # the unit's id -> vLLM's internal id
         self._rid_of: dict[str, str] = {}  # vLLM's internal id -> the unit's id
+        self._drafted: dict[str, tuple[int, tuple]] = {}  # rid -> (γ, (confidence, match_len)) of the running step
         self.runner = None  # vLLM's model runner, set by plugin.register's hook before the first propose
         self._last_step_t: float | None = None
+        self._last_draft_s = 0.0
         self._last_score_tokens = 1
         # Tests read every ASD verification back (`settings["record_asd"]`): inputs, ledger state and verdict.
         self.asd_log: list[dict[str, Any]] | None = [] if settings.get("record_asd") else None
 
     # --- requests ----------------------------------------------------------------------------------------
-    def _state(self, internal_id: str) -> tuple[str, RequestState] | None:
-        """The request behind a batch row (vLLM's internal id is the unit's id plus a random suffix; the
-        unit's id travels in extra_args). None for a request that is not specserve's."""
+    def _book(self, internal_id: str) -> RequestBook | None:
+        """The book of the request behind a batch row (vLLM's internal id is the unit's id plus a random
+        suffix; the unit's id travels in extra_args). None for a request that is not specserve's."""
         rid = self._rid_of.get(internal_id)
         if rid is not None:
-            return rid, self.requests[rid]
+            return self.books[rid]
         held = self.runner.requests.get(internal_id)
         params = getattr(held, "sampling_params", None)
         cfg = ((params.extra_args or {}).get(KEY) if params is not None else None)
         if cfg is None:
-            return None  # not a specserve request: no drafts, no records
-        rid, asd = cfg["rid"], cfg.get("asd")
-        greedy = params.temperature < 1e-5
-        config = ASDConfig(g=asd["g"], max_relaxed_per_block=asd["M"], budget=asd["B"]) if asd and greedy else None
-        state = RequestState(cfg["arm"], bool(cfg.get("speculate", True)), bool(cfg.get("seeded")), config)
-        self.take([rid])  # a reused id: start over
-        self.requests[rid], self._rid_of[internal_id], state.internal_id = state, rid, internal_id
-        self.policy.open_request(rid, config.budget if config is not None else None)
-        return rid, state
+            return None  # not a specserve request: no drafts, no books
+        book = RequestBook(_request(cfg, params, getattr(held, "prompt_token_ids", ())), time.time())
+        self.take([book.rid])  # a reused id: start over
+        self.books[book.rid], self._rid_of[internal_id], self._internal[book.rid] = book, book.rid, internal_id
+        book.ledger = self.policy.open_request(book.rid, book.request.arm.name, book.budget)
+        return book
 
     def take(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """Records of finished requests, releasing everything kept for them (drafter state, γ statistics,
-        ledgers). Unknown ids are skipped (a request that never reached a decode step)."""
+        """The books of finished requests (`RequestBook.export`), releasing everything kept for them (drafter
+        state, γ statistics, ledgers). Unknown ids are skipped (a request that never reached a decode step)."""
         out = {}
         for rid in request_ids:
-            state = self.requests.pop(rid, None)
-            if state is None:
+            book = self.books.pop(rid, None)
+            if book is None:
                 continue
-            self._rid_of.pop(state.internal_id, None)
-            ledger = self.policy.ledgers.get(rid)
-            out[rid] = state.record(ledger)
+            self._rid_of.pop(self._internal.pop(rid, ""), None)
+            self._drafted.pop(rid, None)
+            out[rid] = book.export()
             self.policy.close_request(rid)
             if self.drafter is not None:
                 self.drafter.release(rid)
+        if out:
+            self.policy.flush()
         return out
 
     def live(self) -> dict[str, list[str]]:
-        return {"requests": sorted(self.requests), "ledgers": sorted(self.policy.open_ledgers()),
+        return {"requests": sorted(self.books), "ledgers": self.policy.open_ledgers(),
                 "drafter": sorted(getattr(self.drafter, "active_ids", lambda: [])())}
 
     # --- one engine step ---------------------------------------------------------------------------------
@@ -146,73 +137,71 @@ class WorkerState:
         batch = len(sampled_token_ids)
         step_s = None if self._last_step_t is None else now - self._last_step_t
         self._last_step_t = now
-        rows: list[tuple[int, str, RequestState, int]] = []
+        rows: list[tuple[int, RequestBook, int]] = []
         prefill = False  # the step fed a prompt (chunk): its time is not a decode step's
         for i in range(batch):
             known = req_ids[i] in self._rid_of
-            found = self._state(req_ids[i])
+            book = self._book(req_ids[i])
             prefill = prefill or not known or not sampled_token_ids[i]
-            if found is None or not sampled_token_ids[i]:
+            if book is None or not sampled_token_ids[i]:
                 continue  # not ours, or a prompt chunk that emitted nothing
-            rid, state = found
-            self._account(rid, state, len(sampled_token_ids[i]))
-            rows.append((i, rid, state, self._gamma(rid, state, batch, int(num_tokens_no_spec[i]))))
+            self._account(book, len(sampled_token_ids[i]))
+            rows.append((i, book, self._gamma(book, batch, int(num_tokens_no_spec[i]))))
         if step_s is not None and batch and not prefill:
-            # One decode step: schedule, forward over 1 + γ tokens per row, sample, propose (between calls).
-            self.policy.gamma.observe_costs(batch, None, {self._last_score_tokens: step_s})
+            # One decode step: forward over 1 + γ tokens per row and sampling; the last draft's time is c's, not
+            # the forward's (it ran inside the step too)
+            score_s = max(step_s - self._last_draft_s, 1e-6)
+            draft_step_s = self._last_draft_s / max(1, self._last_score_tokens - 1) if self._last_draft_s else None
+            self.policy.observe_costs(batch, draft_step_s, {self._last_score_tokens: score_s})
         drafts: list[list[int]] = [[] for _ in range(batch)]
-        wanted = [(i, rid, state, g) for i, rid, state, g in rows if g > 0]
+        wanted = [(i, book, g) for i, book, g in rows if g > 0]
+        self._last_draft_s = 0.0
         if wanted and self.drafter is not None:
+            start = time.perf_counter()
             batch_drafts = self.drafter.propose([
-                DraftRequest(rid, token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist(), g)
-                for i, rid, _, g in wanted])
+                DraftRequest(book.rid, token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist(), g)
+                for i, book, g in wanted])
+            self._last_draft_s = time.perf_counter() - start
             if batch_drafts is None:  # the model drafter is unavailable: these rows decode plainly this step
-                for _, _, state, _ in wanted:
-                    state.degraded = True
+                for _, book, _ in wanted:
+                    book.degraded = True
                 batch_drafts = DraftBatch.empty(len(wanted))
             lens = batch_drafts.draft_lens.tolist()
             ids = batch_drafts.draft_ids.tolist()
-            for j, (i, rid, state, _) in enumerate(wanted):
+            for j, (i, book, _) in enumerate(wanted):
                 drafts[i] = ids[j][: lens[j]]
                 if batch_drafts.confidence is not None:
-                    state.last_draft = (tuple(batch_drafts.confidence[j, : lens[j]].tolist()),
-                                        int(batch_drafts.match_lens[j]))
-        for i, _, state, _ in rows:
-            state.last_gamma = len(drafts[i])
+                    self._drafted[book.rid] = (lens[j], (tuple(batch_drafts.confidence[j, : lens[j]].tolist()),
+                                                         int(batch_drafts.match_lens[j])))
+        for i, book, _ in rows:
+            if book.rid not in self._drafted or self._drafted[book.rid][0] != len(drafts[i]):
+                self._drafted[book.rid] = (len(drafts[i]), ((), 0))
         self._last_score_tokens = 1 + round(sum(len(d) for d in drafts) / max(batch, 1))
-        if len(self.requests) > _PRUNE_AT:
+        self.policy.flush()
+        if len(self.books) > _PRUNE_AT:
             self._prune()
         return drafts
 
-    def _account(self, rid: str, state: RequestState, emitted: int) -> None:
-        """The step that just ran emitted `emitted` tokens for the request, after drafting `last_gamma`."""
-        k = state.last_gamma
-        state.rounds += 1
-        state.gammas.append(k)
+    def _account(self, book: RequestBook, emitted: int) -> None:
+        """The step that just ran emitted `emitted` tokens for the request, after drafting what `_drafted` says."""
+        k, (confidence, match_len) = self._drafted.pop(book.rid, (0, ((), 0)))
         accepted = min(emitted - 1, k)
-        if k:
-            state.draft_tokens += k
-            state.accepted_tokens += accepted
-            if len(state.accepted_per_position) < k:
-                state.accepted_per_position.extend([0] * (k - len(state.accepted_per_position)))
-            for pos in range(accepted):
-                state.accepted_per_position[pos] += 1
-        if state.speculate:  # a plain round counts too: after `probe_interval` of them the policy probes γ = 1
-            confidence, match_len = state.last_draft or ((), 0)
-            self.policy.gamma.observe(rid, state.arm, k, accepted, confidence, match_len)
-        state.last_gamma, state.last_draft = 0, ()
+        book.account(k, accepted)
+        if book.request.speculate:  # a plain round counts too: after `probe_interval` of them the policy probes
+            self.policy.observe(book.rid, book.request.arm.name, k, accepted, confidence, match_len)
 
-    def _gamma(self, rid: str, state: RequestState, batch: int, num_tokens: int) -> int:
-        if not state.speculate:
+    def _gamma(self, book: RequestBook, batch: int, num_tokens: int) -> int:
+        limit = book.draft_limit(output_len=num_tokens - len(book.request.prompt_ids), context_len=num_tokens,
+                                 max_seq_len=self.max_model_len)
+        if limit == 0:
             return 0
-        gamma = self.policy.seeded_gamma if state.seeded else self.policy.gamma.choose(rid, state.arm, batch)
-        room = self.max_model_len - num_tokens - 1  # drafts and the bonus token must fit the context
-        return max(0, min(gamma, self.gamma_max, room))
+        gamma = self.policy.choose(book.rid, book.request.arm.name, batch, seeded=book.seeded)
+        return max(0, min(gamma, self.gamma_max, limit))
 
     def _prune(self) -> None:
         held = set(self.runner.requests)
-        gone = [rid for rid, state in self.requests.items() if state.internal_id not in held]
-        log.warning("dropping %d specserve records the unit never took", len(gone))
+        gone = [rid for rid in self.books if self._internal.get(rid) not in held]
+        log.warning("dropping %d specserve books the unit never took", len(gone))
         self.take(gone)
 
     # --- ASD after vLLM's rejection sampler ----------------------------------------------------------------
@@ -231,9 +220,9 @@ class WorkerState:
         groups: dict[ASDConfig, list[tuple[int, str, int]]] = {}
         for b, k in enumerate(counts):
             rid = self._rid_of.get(req_ids[b]) if k else None
-            state = self.requests[rid] if rid is not None else None
-            if state is not None and state.asd is not None:
-                groups.setdefault(state.asd, []).append((b, rid, k))
+            book = self.books[rid] if rid is not None else None
+            if book is not None and book.asd and book.greedy:
+                groups.setdefault(book.request.arm.asd, []).append((b, rid, k))
         if not groups:
             return
         sampled = sampler_output.sampled_token_ids  # [B, max_spec_len + 1]
@@ -254,10 +243,11 @@ class WorkerState:
             target_logits = logits[index.to(logits.device)].float()  # [N, Kmax + 1, V]
             scores = compact_scores(draft_ids.to(logits.device), target_logits, validate=False)
             scores = TargetScores(scores.argmax_ids.cpu(), scores.argmax_logits.cpu(), scores.draft_logits.cpu())
-            ledgers = [self.policy.ledgers[rid] for _, rid, _ in rows]
+            ledgers = [self.books[rid].ledger for _, rid, _ in rows]
             spent_before = [ledger.spent for ledger in ledgers]
             lens = torch.tensor([k for _, _, k in rows])  # [N]
             verdict = verify_asd_scores(draft_ids, scores, ledgers, config, draft_lens=lens)
+            self.policy.charged([rid for _, rid, _ in rows])
             if self.asd_log is not None and len(self.asd_log) < 10_000:
                 self.asd_log.append({
                     "rids": [rid for _, rid, _ in rows],
@@ -305,8 +295,7 @@ class SpecserveProposer:
             return self.state.propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         except Exception:  # an exception here kills vLLM's engine: decode this step without drafts instead
             log.exception("specserve proposer failed; no drafts this step")
-            for state in self.state.requests.values():
-                state.last_gamma = 0
+            self.state._drafted.clear()
             return [[] for _ in sampled_token_ids]
 
 
@@ -319,6 +308,11 @@ class SpecserveWorkerExtension:
     def specserve_asd_log(self) -> list[dict[str, Any]]:
         """Every ASD verification so far, when the unit was started with `record_asd` (tests)."""
         return [] if WORKER is None or WORKER.asd_log is None else WORKER.asd_log
+
+    def specserve_flush(self) -> None:
+        """Report what the worker observed to the authority now, and wait for it (the unit went idle)."""
+        if WORKER is not None:
+            WORKER.policy.flush(wait=True)
 
     def specserve_live(self) -> dict[str, list[str]]:
         return {"requests": [], "ledgers": [], "drafter": []} if WORKER is None else WORKER.live()

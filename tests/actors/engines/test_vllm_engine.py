@@ -23,7 +23,8 @@ from tests.vllm_support import require_vllm_or_skip
 require_vllm_or_skip()
 
 from actors.drafting import DrafterSetup  # noqa: E402
-from actors.engines.vllm.unit import EngineStartError, VllmSetup, VllmUnit  # noqa: E402
+from actors.engines.vllm.unit import EngineStartError, VllmUnit
+from actors.setup import TargetSetup  # noqa: E402
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams  # noqa: E402
 from policies.asd import ASDConfig, RegretLedger, verify_asd_scores  # noqa: E402
 from policies.scores import TargetScores  # noqa: E402
@@ -85,7 +86,7 @@ def plain_greedy(tokenizer):
 
 @pytest.fixture(scope="module")
 def unit(plain_greedy):
-    unit = VllmUnit(unit="test-vllm", setup=VllmSetup(SOURCE, max_slots=16, max_seq_len=1024, engine_kwargs=ENGINE),
+    unit = VllmUnit(unit="test-vllm", setup=TargetSetup(SOURCE, max_slots=16, max_seq_len=1024, engine_kwargs=ENGINE),
                     drafter=DrafterSetup(kind="ngram"), policy=POLICY, record_asd=True).start()
     yield unit
     unit.close_sync()
@@ -271,7 +272,7 @@ def test_an_engine_that_dies_mid_request_ends_it_with_error_and_is_rebuilt(unit,
 
 
 def test_an_engine_that_cannot_start_fails_with_vllms_error():
-    unit = VllmUnit(unit="no-kv", setup=VllmSetup(SOURCE, max_seq_len=1024,
+    unit = VllmUnit(unit="no-kv", setup=TargetSetup(SOURCE, max_seq_len=1024,
                                                  engine_kwargs={**ENGINE, "kv_cache_memory_bytes": 1 << 16}),
                     drafter=DrafterSetup(kind="ngram"), policy=POLICY)
     with pytest.raises(EngineStartError, match="failed to start") as err:
@@ -283,7 +284,7 @@ def test_an_engine_that_cannot_start_fails_with_vllms_error():
 def model_unit(ray_cluster, plain_greedy):
     """A model drafter in its own Ray actor: SmolLM2 drafting for itself (native engine), so drafts are
     mostly accepted and the wiring is visible in the acceptance rate."""
-    unit = VllmUnit(unit="test-vllm-model", setup=VllmSetup(SOURCE, max_slots=16, max_seq_len=1024,
+    unit = VllmUnit(unit="test-vllm-model", setup=TargetSetup(SOURCE, max_slots=16, max_seq_len=1024,
                                                             engine_kwargs=ENGINE),
                     drafter=DrafterSetup(kind="model", source=SOURCE, resources={"num_cpus": 0}),
                     policy={**POLICY, "fixed_gamma": 4}).start()
@@ -320,7 +321,7 @@ def test_a_model_drafter_on_vllm_in_its_own_actor_is_greedy_identical(ray_cluste
     """`drafter.engine: vllm`: the drafter's own actor runs SmolLM2 on vLLM (prefix-cached contexts)."""
     drafter = DrafterSetup(kind="model", source=SOURCE, engine="vllm", resources={"num_cpus": 0},
                            engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20})
-    unit = VllmUnit(unit="test-vllm-vdraft", setup=VllmSetup(SOURCE, max_slots=16, max_seq_len=1024,
+    unit = VllmUnit(unit="test-vllm-vdraft", setup=TargetSetup(SOURCE, max_slots=16, max_seq_len=1024,
                                                              engine_kwargs=ENGINE),
                     drafter=drafter, policy={**POLICY, "fixed_gamma": 4}).start()
     try:

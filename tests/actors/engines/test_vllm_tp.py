@@ -17,7 +17,8 @@ from tests.vllm_support import require_vllm_or_skip
 require_vllm_or_skip()
 
 from actors.drafting import DrafterSetup  # noqa: E402
-from actors.engines.vllm.unit import VllmSetup, VllmUnit  # noqa: E402
+from actors.engines.vllm.unit import VllmUnit
+from actors.setup import TargetSetup  # noqa: E402
 from actors.requests import GenerationRequest, SamplingParams  # noqa: E402
 from tests.conftest import save_tiny_llama  # noqa: E402
 
@@ -27,7 +28,7 @@ POLICY = dict(gamma_max=4, gamma_min=0, prior_alpha=0.6, draft_cost=0.02, fixed_
 
 
 def greedy_outputs(model_dir, tp: int, prompts) -> list[list[int]]:
-    setup = VllmSetup(str(model_dir), tp_size=tp, max_slots=8, max_seq_len=256,
+    setup = TargetSetup(str(model_dir), tp_size=tp, max_slots=8, max_seq_len=256,
                       engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20})
     unit = VllmUnit(unit=f"tp{tp}", setup=setup, drafter=DrafterSetup(kind="ngram"), policy=POLICY).start()
     try:
