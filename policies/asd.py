@@ -1,20 +1,9 @@
 """Approximate Speculative Decoding (ASD): greedy verification that may keep near-miss draft tokens.
 
-For position i (0-based) of a row's block of K_b draft tokens x, with teacher-forced target logits z_i:
-- y*_i = argmax z_i; a **mismatch** is x_i ≠ y*_i, with **regret** r_i = z_i(y*_i) − z_i(x_i) ≥ 0 and
-  **value** v_i = (K_b − i) / K_b (an early mismatch costs more of the block than a late one).
-- A mismatch is **relaxed** (accepted) only if the gate r_i / v_i ≤ g holds, the block's relaxed tokens
-  including it are ≤ M (`max_relaxed_per_block`), the budget left before it (the ledger's remaining R at block
-  start minus the regret of the block's earlier relaxed tokens) is > 0, and the block's relaxed regret
-  including it is ≤ R. Exact matches are free.
-- The longest prefix of accepted positions is kept; then y* is emitted at the stop position (or the bonus
-  y*_{K_b}). Since z is teacher-forced on the realized draft, target-greedy tokens after a relaxed one are kept
-  too: ASD's suffix reuse.
-- Every relaxed token writes a `LedgerEvent` to its row's `RegretLedger`, and its regret is spent.
-  Budget 0, g = 0 or M = 0 give exactly `verify_greedy` (g = 0 disables relaxation, zero-regret ties included).
-
-The feasibility mask is built from cumulative sums and a cumulative product over positions; the only Python
-loop is the ledger bookkeeping over rows afterwards.
+`verify_asd_scores(draft_ids, scores, ledgers, config)` keeps a mismatch x_i ≠ y*_i only when its regret
+r_i = z_i(y*_i) − z_i(x_i) passes the gate r_i / v_i ≤ g, the block's cap M and the request's remaining budget,
+and charges each relaxed token to its row's `RegretLedger` with a `LedgerEvent`; the rule and its terms are
+docs/architecture.md, "Terms". Budget 0, g = 0 or M = 0 give exactly `verify_greedy`.
 """
 
 from __future__ import annotations

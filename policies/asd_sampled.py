@@ -1,34 +1,12 @@
 """Approximate speculative decoding for sampled requests: speculative sampling with a per-position allowance.
 
-Terms (DESIGN.md; `policies.asd` is the greedy rule this mirrors). For position i (0-based) of a row's block of
-K_b draft tokens x, with teacher-forced target probabilities p_i and draft probabilities q_i (both after
-`process_logits`; q_i one-hot at x_i when the drafter has no distribution), and the arm's `ASDConfig(g, M, B)`:
+A funded position i accepts x_i with probability min(1, e^{ε_i} p/q), ε_i = min(g · v_i, B) nats, and charges
+its cost c_i to the request's `RegretLedger`; every other position runs the exact test. Then no output sequence
+is more than e^B times as likely as under the target, and B = 0, g = 0 or M = 0 give `verify_sampled` token for
+token for the same draws. Terms, proofs and wiring: docs/asd-sampled.md.
 
-- **value** v_i = (K_b − i) / K_b, and **allowance** ε_i = min(g · v_i, B), in nats.
-- The **exact** rule accepts x_i iff u_i · q_i(x_i) < p_i(x_i), u_i ~ U[0, 1): probability min(1, p/q).
-  The **relaxed** rule accepts iff u_i · q_i(x_i) < e^{ε_i} · p_i(x_i): probability a'_i = min(1, e^{ε_i} p/q).
-- At the first rejection both rules emit a sample of norm(max(0, p_i − q_i)), the **recovered** token. The
-  residual that keeps the emitted law closest to p_i is norm(max(0, p_i − q_i · a'_i)); it equals the exact one,
-  because a'_i differs from min(1, p/q) only where q_i > p_i, where max(0, p_i − q_i) is already 0.
-  After a fully accepted block both emit the **bonus** token, a sample of p_{K_b}.
-- So position i emits token v with probability e_i(v) = min(q_i(v), e^{ε_i} p_i(v)) when q_i(v) > p_i(v): an
-  **over-emitted** token, with e_i(v) ≤ e^{ε_i} p_i(v); every other token has e_i(v) ≤ p_i(v).
-- **cost** of x_i: c_i = log(e_i(x_i) / p_i(x_i)) = min(ε_i, log(q_i(x_i) / p_i(x_i))) when q_i(x_i) > p_i(x_i),
-  else 0. It is the log-likelihood ratio, against the target, of emitting x_i at a relaxed position.
-- Position i is **funded** when ε_i > 0, fewer than M relaxed tokens precede it in the block, the cost charged
-  before it plus ε_i fits the ledger's remaining budget, and every earlier position of the block is funded
-  (funding is a prefix). A funded position is decided by the relaxed rule, any other by the exact one.
-- A **relaxed** token is an accepted draft token with c_i > 0 at a funded position. It writes one `LedgerEvent`
-  and spends c_i from the request's `RegretLedger`. Event fields for this rule: `regret` = c_i (nats),
-  `value` = v_i, `draft_token` = x_i, `target_token` = the token the exact rule would have emitted at position i
-  with the same draws (x_i itself when it would have accepted x_i too).
-
-Then no output sequence of a request is more than e^B times as likely as under the target (docs/asd-sampled.md),
-and B = 0, g = 0 or M = 0 give exactly `verify_sampled`, token for token for the same draws.
-
-Split as for greedy ASD: `sampled_scores` runs next to the target's probabilities and draws all randomness;
-`verify_asd_sampled_scores` runs where the ledgers are and decides. Row b draws K_b + 1 uniforms (the same draws
-as `verify_sampled`): u_0..u_{K_b−1} for acceptance, u_{K_b} for the one recovered or bonus token it emits.
+`sampled_scores` runs next to the target's probabilities and draws all the randomness (the K_b + 1 uniforms of
+`verify_sampled`); `verify_asd_sampled_scores` runs where the ledgers are and decides.
 """
 
 from __future__ import annotations

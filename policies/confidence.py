@@ -1,17 +1,11 @@
 """α as a function of a draft token's match length and confidence, for drafters that report them (the suffix
 drafter, `actors.drafting.suffix`).
 
-Such a drafter gives, per draft token j, a confidence c_j ≈ P(tokens 0..j all accepted) and, per draft, the
-match length L: how many context tokens the draft's pattern matched. Step j's own probability is
-p_j = c_j / c_{j-1} (c_{-1} = 1), and its pattern is m_j = L + j tokens long (each drafted token extends the
-pattern it continues). The drafter's p_j is only roughly calibrated: on SmolLM2's greedy traces, one-token
-matches are right far less often than p says, and matches of 4+ tokens more often.
-
-`ConfidenceAcceptance` learns the acceptance rate of a step from (m_j, p_j): exponentially weighted Bernoulli
-counts per cell of a grid, m in {1, 2, 3, 4-7, 8-15, 16+} × p in [0, .3), [.3, .5), [.5, .7), [.7, .9), [.9, 1],
-each cell's estimate shrunk toward the drafter's own p with `weight` pseudo-trials, so an empty cell trusts the
-drafter. A round with k tokens drafted and a accepted observes steps 0..min(a, k − 1): the first a accepted,
-step a rejected (when a < k); later steps were never tried.
+Draft step j has its own probability p_j = c_j / c_{j-1} (c_j ≈ P(tokens 0..j all accepted), c_{-1} = 1) and
+pattern length m_j = L + j (L the draft's match length). `ConfidenceAcceptance` learns a step's acceptance rate
+per (m_j, p_j) cell, each cell shrunk toward p_j with `weight` pseudo-trials, so an empty cell trusts the
+drafter. A round with a of k drafted tokens accepted observes steps 0..min(a, k − 1). Why: docs/architecture.md,
+"Drafters".
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Exact verification: the emitted tokens follow the target's distribution exactly.
 
-- Greedy: keep the longest prefix where the draft token x_i equals the target argmax y*_i, then emit y* at the
-  stop position (recovered token) or at position K_b (bonus token).
-- Sampled (Leviathan et al. 2022, speculative sampling): accept x_i with probability min(1, p_i(x_i) / q_i(x_i));
-  at the first rejection emit a sample of norm(max(0, p_i − q_i)); after a fully accepted block emit a sample of
-  p_{K_b}. Then every emitted token has the target's distribution p.
-
-Shapes: B rows, K draft positions, V vocabulary. Logits and probabilities are teacher-forced on the draft:
-row i scores the token after the first i draft tokens.
-
-Devices: inputs share one device and results stay there. `validate=False` skips the checks that read tensor
-values (on a GPU each is a host sync), for a caller that checked its inputs on the host or checks the results
-once; parameters given as Python numbers are always checked, on the host.
+Greedy rows keep the longest prefix where x_i equals the target argmax y*_i; sampled rows run speculative
+sampling (Leviathan et al. 2022), accepting x_i with probability min(1, p_i(x_i) / q_i(x_i)) (the rules and
+their terms: docs/architecture.md, "Terms"). Shapes: B rows, K draft positions, V vocabulary; logits and
+probabilities are teacher-forced on the draft. Inputs share one device and results stay there; `validate=False`
+skips the checks that read tensor values (on a GPU each is a host sync), for a caller that checked its inputs on
+the host or checks the results once; parameters given as Python numbers are always checked, on the host.
 """
 
 from __future__ import annotations
@@ -168,7 +162,7 @@ def verify_sampled(
 
 
 def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
-    """Values sorted descending along the last dim. numpy on CPU: torch's CPU sort is ~40x slower at V = 49152."""
+    """Values sorted descending along the last dim; numpy on CPU, where it is much faster than torch's sort."""
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
         return torch.from_numpy(-np.sort(-values.detach().numpy(), axis=-1))
     return values.sort(dim=-1, descending=True).values

@@ -1,9 +1,7 @@
 """Choosing γ, the number of draft tokens per round: the speedup model and the adaptive `GammaPolicy`.
 
-Terms (DESIGN.md): α is the probability that a draft token is accepted; c the cost of one drafter step and
-v(γ) the cost of scoring γ + 1 tokens, both relative to one target step (v(0) = 1). A round with γ drafts
-emits E(γ) = (1 − α^(γ+1)) / (1 − α) tokens in expectation and costs γ·c + v(γ), so the speedup over plain
-decoding is S(γ) = E(γ) / (γ·c + v(γ)) (Leviathan et al. 2022 with v ≡ 1). γ = 0 is plain decoding, S = 1.
+`best_gamma` maximises S(γ) = E(γ) / (γ·c + v(γ)), with α, c and v(γ) as defined in docs/architecture.md,
+"Terms"; γ = 0 is plain decoding, S = 1.
 """
 
 from __future__ import annotations
@@ -110,12 +108,12 @@ class GammaPolicy:
     Choice. γ = best_gamma(α, c, gamma_max, v), and 0 whenever α ≤ c. Exploration: a request that has been
     observed for `probe_interval` consecutive plain rounds (report them with gamma=0) is given γ = 1 once,
     so a workload whose acceptance recovered is noticed; `probe_interval=None` turns this off. The default, 8,
-    is short because a probe is cheap (scoring 2 tokens costs ~1.0-1.05 decode steps with prepacked CPU linears,
-    less on a GPU) and requests are short: with 32, a request of fewer than 32 tokens that starts plain (its arm's
-    α is low, or an early cost sample was slow) never drafts, which a quick bench caught on code. After a fully
-    accepted block, a speculating request's γ is at least `explore_gamma` of it (doubling while that pays), so
-    a verbatim stretch reaches γ_max in a few rounds; `explore=False` turns this off. `gamma_min` is a floor on every choice
-    (set it ≥ 1 to always speculate). `fixed_gamma` returns one γ always.
+    is short because a probe is cheap (scoring 2 tokens costs little more than one decode step) and requests
+    are short: a request shorter than the interval that starts plain (its arm's α is low, or an early cost
+    sample was slow) would never draft. After a fully accepted block, a speculating request's γ is at least
+    `explore_gamma` of it (doubling while that pays), so a verbatim stretch reaches γ_max in a few rounds;
+    `explore=False` turns this off. `gamma_min` is a floor on every choice (set it ≥ 1 to always speculate).
+    `fixed_gamma` returns one γ always.
 
     Parameters: `gamma_max` the largest γ; `prior_alpha`, `prior_weight` the cold-start α of an arm and its
     weight in pseudo-trials; `request_weight` the arm estimate's weight in a request's estimate; `decay`

@@ -1,13 +1,9 @@
 """The verdict of one verification call, and the block helpers every verifier shares.
 
-Terms (see DESIGN.md): a **block** is the K draft tokens of one round of one row. A row's **accepted** tokens
-are the draft tokens kept; then exactly one more token is emitted: the **recovered** token at the first
-rejected position, or the **bonus** token after a fully accepted block. Rows of one batch may carry blocks of
-different lengths K_b ≤ K (**ragged** blocks): `draft_ids` is padded with `PAD_TOKEN_ID` beyond K_b and
-`draft_lens[b] = K_b`. A row with K_b = 0 is plain decoding: it emits one target token.
-
-Devices: every verifier works on the device of its inputs (all on one device, checked by `check_devices`) and
-returns its tensors there; nothing here moves data between devices.
+Row b of a `Verdict` emits `tokens[b, : num_accepted[b] + 1]`: its accepted draft tokens, then one recovered
+or bonus token. Ragged blocks are padded with `PAD_TOKEN_ID` beyond `draft_lens[b]` (terms: docs/architecture.md,
+"Terms"). Every verifier works on the one device of its inputs (`check_devices`) and returns its tensors there;
+nothing here moves data between devices.
 """
 
 from __future__ import annotations

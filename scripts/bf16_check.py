@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/bf16_check.py [--threads 1] [--steps 32] [--tokens 64] > bf16_check.md
 
-Prints a markdown report (< 5 minutes on 2 cores):
+Prints a markdown report:
 - decode: tokens/s of decode steps (one new token per row, argmax fed back through the host) at batch 1 and 8
   for fp32, bf16 (the Engine's default: packed and batch-invariant where the CPU has native bf16) and bf16
   plain (`packed=False`, the path before the packed one), interleaved repeat by repeat so load drift hits

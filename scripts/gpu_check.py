@@ -1,21 +1,12 @@
 """The native engine on a GPU, checked and measured in one run; writes one JSON file.
 
-    python scripts/gpu_check.py --out gpu_check.json           # on the GPU machine: < 8 minutes on an H200
-    python scripts/gpu_check.py --smoke --out /tmp/smoke.json  # tiny shapes on the CPU, seconds (tests run it)
+    python scripts/gpu_check.py --out gpu_check.json           # on the GPU machine
+    python scripts/gpu_check.py --smoke --out /tmp/smoke.json  # tiny shapes on the CPU (tests run it)
 
-Needs only torch and the project's torch-only modules (no Ray, no model files): the models are built on the
-spot with random weights. Sections (a failing one records its error and the others still run):
-
-- copy_bandwidth: device-to-device copy, (bytes read + written) / time: the ceiling for a decode step.
-- attention: an eager decode and verify forward with SDPA's math backend disabled (raises if no fused kernel
-  applies) and the attention kernels the profiler sees.
-- decode: a Llama-3-8B-shaped model in bf16: tokens/s at batch 1, 8, 32 with CUDA graphs (tokens fed back on
-  the device, and through the host as the coordinator does), host time per step, and bandwidth use = bytes
-  of weights and KV read per step / step time / copy bandwidth; batch 1 eager and with compiled pointwise ops.
-- verify_cost: v(γ) = time of a forward of γ + 1 tokens / time of one token, γ = 1..8, batch 1 and 16.
-- greedy_identity: a small random model drafting for itself (same weights): speculative greedy must equal
-  target-only greedy and α must be 1, in float32; in bfloat16 the agreement is reported.
-- verifiers: the target's device-side scoring round (greedy; sampled) and ASD on the host, at V = 128256.
+Needs only torch and the project's torch-only modules (no Ray, no model files: models get random weights).
+One JSON section per method of `Check` (copy_bandwidth, attention, decode, verify_cost, greedy_identity,
+verifiers, decode_variants); a failing one records its error and the others still run. The goals they are
+judged against are `goals` (the README, "GPU: the native engine on a device").
 """
 
 from __future__ import annotations
@@ -134,6 +125,7 @@ class Check:
 
     # --- sections --------------------------------------------------------------------------------------
     def copy_bandwidth(self) -> dict:
+        """Device-to-device copy, (bytes read + written) / time: the ceiling for a decode step."""
         size = (2 << 30) if self.device.type == "cuda" else (64 << 20)
         src = torch.empty(size, dtype=torch.uint8, device=self.device)
         dst = torch.empty_like(src)
@@ -149,6 +141,8 @@ class Check:
         return {"bytes": size, "GB_per_s": round(self.copy_bw / 1e9, 1)}
 
     def attention(self) -> dict:
+        """An eager decode and verify forward with SDPA's math backend disabled (raises if no fused kernel
+        applies), and the attention kernels the profiler sees."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         model = self.big_model()
@@ -215,6 +209,9 @@ class Check:
         return out
 
     def decode(self) -> dict:
+        """A Llama-3-8B-shaped model: tokens/s at batch 1, 8, 32 (CUDA graphs, tokens fed back on the device, and
+        at batch 1 through the host as the coordinator does), host time per step, and bandwidth use = bytes of
+        weights and KV read per step / step time / copy bandwidth."""
         model = self.big_model()
         engine = self.engine(model)
         out = {"model": f"{'tiny' if self.smoke else 'llama-3-8b'} shapes, random weights", "dtype": str(self.dtype),
@@ -227,6 +224,7 @@ class Check:
         return out
 
     def decode_variants(self) -> dict:
+        """Batch-1 decode eager, and with compiled pointwise ops."""
         model = self.big_model()
         out = {"b1_eager": self.decode_rate(self.engine(model, graphs=False, max_slots=2), 1, max(2, self.steps // 4))}
         compiled = compile_pointwise(model) if self.device.type == "cuda" else False
@@ -236,6 +234,7 @@ class Check:
         return out
 
     def verify_cost(self) -> dict:
+        """v(γ) = time of a forward of γ + 1 tokens / time of one token, γ = 1..8, at batch 1 and 16."""
         model = self.big_model()
         engine = self.engine(model)
         out = {}
@@ -263,6 +262,8 @@ class Check:
         return out
 
     def greedy_identity(self) -> dict:
+        """A small random model drafting for itself (same weights): speculative greedy must equal target-only
+        greedy and α must be 1 in float32; in bfloat16 the agreement is reported."""
         out = {}
         for dtype in (torch.float32, torch.bfloat16):
             model = self.model(self.small_args, dtype, seed=2)
@@ -286,6 +287,7 @@ class Check:
         return out
 
     def verifiers(self) -> dict:
+        """The target's device-side scoring round (greedy; sampled) and ASD on the host, at the large vocabulary."""
         vocab = self.big_args.vocab_size
         out = {}
         gen = torch.Generator(device=self.device).manual_seed(4)

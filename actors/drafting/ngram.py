@@ -1,9 +1,8 @@
 """Prompt lookup (vLLM's `prompt_lookup_min` / `prompt_lookup_max`): drafts copied from the context itself.
 
 The longest suffix n-gram of the context, n in [min, max], that also occurs earlier; the tokens after its most
-recent earlier occurrence are the draft. No match means no draft: that row decodes plainly this round. Cost:
-microseconds, so it runs inside the coordinator's process rather than behind an actor round trip (~1.5 ms).
-Greedy q is one-hot (`draft_probs` None).
+recent earlier occurrence are the draft. No match means no draft: that row decodes plainly this round. Greedy
+q is one-hot (`draft_probs` None). It costs microseconds, so it runs in the coordinator's process.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
-"""Matching core of the suffix drafter (SuffixDecoding, Oliaro et al. 2024): find where the context's recent
-tokens occurred before, and draft the most frequent continuation, with a confidence per drafted token.
+"""Matching core of the suffix drafter (SuffixDecoding, Oliaro et al. 2024): a suffix automaton over a token
+stream, appendable online at O(max_depth) per token at worst, that finds the longest earlier match of the
+context's recent tokens and counts what followed it (structure: docs/architecture.md, "Drafters").
 
-Terms
-- stream: the tokens an index covers: a request's prompt + committed output (`SuffixIndex`), or a unit's recent
-  finished outputs (`SuffixCache`, sequences separated by `SEPARATOR`).
-- pattern: the last m ≤ max_depth tokens of the context; while drafting, of the context followed by the draft.
-- occurrence: an end position e of the pattern in the stream that has a continuation stream[e + 1]. The
-  pattern's occurrence that ends the request's own stream has no continuation yet, so it never counts; nor does
-  one followed by `SEPARATOR` or the end of a cache segment.
-- match length L: the longest m ≤ max_depth whose pattern has an occurrence (0: no match, no draft).
-- continuation counts: for each token c, the number of occurrences of the pattern followed by c.
-
-Drafting from an index (the most frequent continuation, with a confidence per token) is
-`actors.drafting.suffix_propose`; a unit's cache of recent outputs (`SuffixCache`) is there too.
-
-Structure: a suffix automaton (Blumer et al. 1985) over the stream, built online in amortized O(1) states per
-token. A state is a set of substrings with the same end positions; `_count` is their number, `_last_end` the
-latest. Counts are kept exact only for states whose shortest string has ≤ max_depth + 1 tokens, the only ones
-a query reads: each appended token increments the suffix-link chain from the state of the stream's
-(max_depth + 1)-token suffix, so an append costs O(max_depth) at worst, even on degenerate repetition.
-Transitions: a state's first one in two int arrays, further ones in a dict (most states have one).
-
-Measured (2-core EPYC under load, CPython 3.11, medians; SmolLM2 tokens of real code and prose, 100-4000
-tokens of context): append 2-4 µs per token (a 4000-token prompt: 5-15 ms); `propose` 8-15 µs (γ 8)
-and 25-30 µs (γ 16 drafted in full); a 64k-token cache adds ~60-100 µs. A round (append 3 tokens, propose
-γ 16 with the cache) is ~100-145 µs at 2000-4000 tokens. Memory ~133 kB per 1k tokens (request), ~99 kB per
-1k (cache). Rejected, same streams: a depth-32 suffix trie of dicts (SuffixDecoding's layout; 8.7 MB per 1k
-tokens, 8-54 µs per append); a plain automaton with a dict per state (430 kB per 1k); a token → positions
-index checked backwards with numpy (40 kB per 1k, but 15-70 µs per match and 1.1 ms on a run of one repeated
-token). Degenerate streams (one token repeated, a short loop) stay bounded: ~2-6 µs per append, ≤ 15 µs to
-match and draft 8.
+Terms. The **stream** is what an index covers: a request's prompt + committed output (`SuffixIndex`), or a
+unit's recent finished outputs separated by `SEPARATOR` (`SuffixCache`, in `suffix_propose`). The **pattern** is
+the context's last m ≤ max_depth tokens (while drafting, of the context followed by the draft). An
+**occurrence** is an end position e of the pattern with a continuation stream[e + 1]; the one that ends the
+request's own stream never counts, nor one followed by `SEPARATOR` or a cache segment's end. The **match
+length** L is the longest m whose pattern has an occurrence (0: no match, no draft); the **continuation
+counts** give, per token c, the occurrences followed by c.
 """
 
 from __future__ import annotations

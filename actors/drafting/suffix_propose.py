@@ -1,19 +1,11 @@
 """Drafts from suffix indexes (SuffixDecoding, Oliaro et al. 2024): the request's own `SuffixIndex` and a unit's
 `SuffixCache` of recent outputs each propose the most frequent continuation of the context, with a confidence
-per drafted token. Terms (stream, pattern, occurrence, match length L, continuation counts): `suffix_index`.
+per drafted token (terms: `suffix_index`).
 
-Drafting (`propose`): from the pattern of length L, take the continuation c with the highest count N_c (ties
-go to the most recent occurrence), append it to the pattern (dropping its oldest token once it exceeds
-max_depth) and repeat. The step's probability of being right is the continuation frequency shrunk toward a
-prior that grows with the pattern length m (long matches are copies; one-token matches are often chance):
-
-    p = (N_c + w·π(m)) / (N + w),   π(m) = m / (m + h),   N = Σ_c N_c,
-
-w the prior's weight in pseudo-occurrences, h the length at which π = 1/2 (`ConfidencePrior`). The confidence
-of draft token j is Π_{i ≤ j} p_i, an estimate of P(draft tokens 0..j are all accepted), so it never increases
-along a draft; drafting stops before the first token whose confidence would fall below `min_confidence`.
-Σ_j confidence_j is the draft's expected accepted length; the request's own index and the cache each propose,
-and the higher expectation wins (as SuffixDecoding scores its two trees).
+A step's probability is p = (N_c + w·π(m)) / (N + w) (`ConfidencePrior`); draft token j's confidence is
+Π_{i ≤ j} p_i, an estimate of P(draft tokens 0..j all accepted), non-increasing along the draft. A draft stops
+before the first token below `min_confidence`, and the source with the higher expected accepted length
+(Σ_j confidence_j) wins. The rule: docs/architecture.md, "Drafters".
 """
 
 from __future__ import annotations
@@ -49,9 +41,8 @@ class ConfidencePrior:
 
 
 DEFAULT_PRIOR = ConfidencePrior()
-# Matches in other requests' outputs continue far less often than matches in the request itself (SmolLM2 traces,
-# cache of earlier outputs of the same workload: 12% right after one-token matches, 40% after 4-7 tokens, vs
-# 24% and 79% in the request), so the cache's steps lean on a heavier, slower-rising prior.
+# Matches in other requests' outputs continue far less often than matches in the request itself (SmolLM2
+# traces, docs/benchmarks.md), so the cache's steps lean on a heavier, slower-rising prior.
 CACHE_PRIOR = ConfidencePrior(weight=16.0, half_length=8.0)
 
 

@@ -12,7 +12,7 @@ def ray_backends(target, drafter: DrafterSetup, *, max_seq_len: int, torch_threa
                  ) -> tuple[TargetBackend, DrafterBackend | None]:
     """(target group, drafter backend) of a unit on Ray; `target` is an `actors.unit.TargetSetup`.
 
-    The n-gram drafter stays in the coordinator's process: it costs microseconds, an actor hop ~1.5 ms."""
+    The n-gram drafter stays in the coordinator's process: it costs microseconds, far less than an actor hop."""
     spec = ShardSpec(source=target.source, tp_size=target.tp_size, dtype=target.dtype, device=target.device,
                      max_slots=target.max_slots, max_seq_len=max_seq_len, num_threads=torch_threads or 1)
     group = TargetGroup(spec, num_cpus=target.resources.get("num_cpus", 0.5), resources=_bundle(target.resources),

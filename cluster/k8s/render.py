@@ -1,18 +1,11 @@
 """KubeRay RayService manifests rendered from a specserve config.
 
 `render_rayservice(cfg, ...)` turns a `SpecServeConfig` into a RayService (ray.io/v1) whose `serveConfigV2`
-deploys `cluster.serving.app:build_app` with the whole config inline, so k8s/ can never drift from configs/:
-
-- the **head** pod has no GPUs and runs the Serve controller and the HTTP proxy (`proxy_location: HeadOnly`);
-- one **worker group** per kind of pod a unit needs: `target` pods hold one tensor-parallel group (their
-  `nvidia.com/gpu` limit is the TP size) plus the unit's coordinator and a CPU drafter; a GPU drafter gets a
-  `drafter` group of its own. A CPU config yields one CPU `unit` group (kind or minikube);
-- each group's replicas span the Serve autoscaling range (one pod per unit, plus one for a rolling restart's
-  surge replica), and KubeRay's in-tree autoscaler adds pods when Serve asks for a unit that cannot be placed;
-- with `serving.api_keys_secret`, every pod mounts that Secret read-only and `SPECSERVE_API_KEYS_FILE` names
-  its `api-keys` file, so the ingress (wherever Serve places it) reads the keys and they stay out of the
-  manifest; keys written in the config itself (`serving.api_keys`) are refused here for the same reason.
-`cluster.k8s.crd` validates the result against KubeRay's CRD; `cluster.k8s.monitoring` renders the PodMonitor.
+deploys `cluster.serving.app:build_app` with the whole config inline, so k8s/ can never drift from configs/: a
+head pod with no GPUs, one worker group per kind of pod a unit needs, replicas spanning the Serve autoscaling
+range plus a surge pod, and the API keys' Secret mounted on every pod (keys written in the config itself are
+refused). What a manifest holds and why: docs/kubernetes.md. `cluster.k8s.crd` validates the result against
+KubeRay's CRD; `cluster.k8s.monitoring` renders the PodMonitor.
 """
 
 from __future__ import annotations

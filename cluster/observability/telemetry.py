@@ -1,31 +1,12 @@
 """Telemetry: metrics (OpenTelemetry SDK → Prometheus text and OTLP), request rows for the A/B report, traces.
 
-Pieces:
-- `TelemetryHub`: one per app (a named, detached Ray actor made by `get_or_create_hub`, or a plain object
-  in-process). It owns the OpenTelemetry `MeterProvider`, turns `RoundRecord` / `RequestRecord` /
-  `AuditRecord` batches into counters and histograms, renders Prometheus text for the ingress's
-  `GET /metrics`, and keeps bounded request and audit rows for `GET /v1/specserve/export` (the A/B report).
-- `cluster.observability.observer.UnitObserver`: the `actors.stats.LoopObserver` a unit's coordinator calls;
-  it ships records to the hub in batches and writes request span trees (`cluster.observability.tracing`).
-- `request_row(record)`: the export row of one request (the report's input).
-
-Metric names. vLLM's spec-decode and request metrics keep vLLM's names, so its dashboards and scripts work
-unchanged: `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_draft_tokens_total`,
-`vllm:spec_decode_num_accepted_tokens_total`, `vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`,
-`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:time_to_first_token_seconds`,
-`vllm:e2e_request_latency_seconds`, `vllm:request_time_per_output_token_seconds`. OpenTelemetry instrument
-names may not contain ':', so each is created as `vllm.<name>` and a `View` renames its stream to
-`vllm:<name>`; the Prometheus exporter keeps ':' (legal in Prometheus names) and adds `_total` to counters, and
-OTLP carries the same `vllm:` name. Our own metrics are `specserve_*` (see `METRICS`).
-
-Labels. Every metric has `arm` and `unit`. Per-row metrics (γ, drafts, accepted, regret, relaxed) use the
-row's arm. Round metrics (phase times, batch size) describe a whole batched round: `arm` is the arm of its
-rows when they share one, `"mixed"` when a round batched several arms (`"none"` when it had no rows).
-Rates (acceptance, tokens/s) are derived from the counters, never stored.
-
-A drafting round (γ > 0) counts as one vLLM "draft"; γ = 0 rounds are plain decoding and count only in
-`specserve_gamma`. `vllm:spec_decode_num_accepted_tokens_per_pos{position=k}` counts drafts that kept
-position k (accepted tokens are always a prefix of the block).
+`TelemetryHub`, one per app (a named, detached Ray actor made by `get_or_create_hub`, or a plain object
+in-process), owns the OpenTelemetry `MeterProvider`: it turns `RoundRecord` / `RequestRecord` / `AuditRecord`
+batches into counters and histograms, renders Prometheus text for `GET /metrics`, and keeps bounded request and
+audit rows for `GET /v1/specserve/export`; `request_row(record)` is one request's export row. vLLM's metrics keep
+vLLM's names (`vllm:*`), ours are `specserve_*` (`METRICS`); every metric has `arm` and `unit` labels, and rates
+are derived from the counters, never stored. Names, labels and what counts as a draft: docs/architecture.md,
+"cluster/".
 """
 
 from __future__ import annotations

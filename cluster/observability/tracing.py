@@ -1,22 +1,12 @@
 """Request traces: one span tree per finished request, built from the loop's records after the fact.
 
-The speculative loop never holds a span open: it emits `RoundRecord`s (wall-clock `started_s` and the phase
-durations) and, at the end, a `RequestRecord`. `RequestTracer` keeps each request's rounds in memory (bounded)
-until its `RequestRecord` arrives, then writes the tree with explicit start and end times:
-
-    specserve.request            request id, arm, unit, tokens, acceptance, finish reason
-    └─ specserve.round           one per round the request took part in: batch size, γ, accepted, regret
-       ├─ draft                  [started, started + draft_s)
-       ├─ score                  then score_s
-       └─ verify                 then verify_s   (the rest of total_s is orchestration)
-
-Round times are `time.time()`. Request times come from the coordinator's clock; when that clock is not wall
-time (finished_s more than `WALL_CLOCK_TOLERANCE_S` from now), the request span is shifted so it ends now, the
-moment the observer receives it, keeping its duration.
-
-`make_tracer_provider(settings)` turns `TelemetrySettings.tracing` into a provider: "off" → None, "on" → every
-request, "sampled" → `ParentBased(TraceIdRatioBased(trace_sample_rate))`; spans go to OTLP/HTTP at
-`{otlp_endpoint}/v1/traces`, or to an injected exporter (tests use `InMemorySpanExporter`).
+The speculative loop never holds a span open: `RequestTracer` keeps each request's `RoundRecord`s (bounded)
+until its `RequestRecord` arrives, then writes a `specserve.request` span, a `specserve.round` child per round
+and `draft` / `score` / `verify` children of each, with explicit start and end times (the tree:
+docs/architecture.md, "cluster/"). A request whose clock is not wall time is shifted to end when the observer
+receives it. `make_tracer_provider(settings)` turns `TelemetrySettings.tracing` into a provider ("off" → None,
+"on" → every request, "sampled" → `ParentBased(TraceIdRatioBased(trace_sample_rate))`) exporting to OTLP/HTTP
+at `{otlp_endpoint}/v1/traces`, or to an injected exporter.
 """
 
 from __future__ import annotations

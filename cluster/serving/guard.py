@@ -1,22 +1,13 @@
 """The ingress's gate: API keys and the request body limit, checked before a route reads the body.
 
-**API keys** (optional). The accepted keys are `serving.api_keys` plus those in the file named by the
-environment variable `SPECSERVE_API_KEYS_FILE` (one key per line, `#` comments; on Kubernetes a mounted
-Secret), so keys can stay out of the YAML. With no key configured the service is open, as vLLM is without
-`--api-key`. With keys, clients send `Authorization: Bearer KEY` as OpenAI clients do; a missing or wrong key
-gets a 401 with OpenAI's error body and `WWW-Authenticate: Bearer`. `/healthz` (probes) and the OpenAPI
-documents stay open; `/metrics` needs a key only with `serving.protect_metrics`, `/v1/specserve/export`
-(every request's row) unless `serving.protect_export` is off.
-
-A presented key is compared with every accepted key by SHA-256 digest with `hmac.compare_digest`, so the
-time taken says nothing about how much of a key matched, or which; no key is ever logged or echoed.
-
-**Body limit.** A body over `serving.max_body_bytes` gets a 413: at once when Content-Length says so,
-otherwise as soon as the streamed body passes the limit, before it is parsed.
-
-`RequestGuard` is a plain ASGI middleware (a `BaseHTTPMiddleware` would get in the way of streaming and of
-client disconnects); it reads its `GuardPolicy` from `app.state.guard`, which the ingress sets up from the
-config when its replica starts, and lets everything through until then.
+The keys are `serving.api_keys` plus those in the file `SPECSERVE_API_KEYS_FILE` names; with none the service is
+open. With keys, a request needs `Authorization: Bearer KEY` or gets a 401 with OpenAI's error body and
+`WWW-Authenticate: Bearer`; `/healthz` and the OpenAPI documents stay open, `/metrics` needs a key only with
+`serving.protect_metrics`, `/v1/specserve/export` unless `serving.protect_export` is off. Keys are compared by
+SHA-256 digest in constant time and never logged or echoed. A body over `serving.max_body_bytes` gets a 413
+before it is parsed. `RequestGuard` is a plain ASGI middleware (a `BaseHTTPMiddleware` would get in the way of
+streaming and client disconnects) that reads its `GuardPolicy` from `app.state.guard`, set when the ingress's
+replica starts, and lets everything through until then. Details: docs/reliability.md.
 """
 
 from __future__ import annotations

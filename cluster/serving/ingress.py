@@ -1,21 +1,12 @@
 """The OpenAI-compatible HTTP front end (a Serve ingress deployment with FastAPI).
 
-Per request: validate the body (`cluster.serving.protocol`; sampling fields it leaves out take the operator's
-`serving.defaults`, else OpenAI's), tokenize the prompt (a completion's text, or the chat
-template applied to the messages), check it against the context limit, pick the arm (`cluster.experiments.ab`: forced by
-the `x-specserve-arm` header, sticky by `user`, random by weight), and stream a `DecodeJob` to a decoder unit
-through a Serve handle. Answers are OpenAI bodies, or SSE `data:` chunks ending with `data: [DONE]`.
-
-Errors: every client mistake is a 4xx with `{"error": {"message", "type", "param", "code"}}`; a full unit
-queue (Serve's BackPressureError) is a 503 with Retry-After, and so is a unit that failed or died under the
-request (`cluster.serving.failures`); past `serving.request_timeout_s` the answer is a 408. A client that
-disconnects cancels the handle's stream, which aborts the sequence in its unit (KV caches freed, ledger
-closed). API keys and the body limit are checked before any route runs (`cluster.serving.guard`); every
-route's answers are declared in the OpenAPI document (`cluster.serving.openapi`).
-
-Quality audit: when a greedy ASD request finishes and `AuditSampler` draws it, the same prompt is decoded again
-on the exact reference arm in the background (at most `audit.max_pending` at once) and the comparison goes to
-the telemetry hub.
+Per request: validate the body (`cluster.serving.protocol`; omitted sampling fields take `serving.defaults`, else
+OpenAI's), tokenize, check the context limit, pick the arm (`cluster.experiments.ab`) and stream a `DecodeJob` to
+a decoder unit through a Serve handle; answers are OpenAI bodies, or SSE chunks ending with `data: [DONE]`.
+Client mistakes get a 4xx with OpenAI's error body, a full queue or a failed unit a 503 with Retry-After
+(`cluster.serving.failures`), a request past `serving.request_timeout_s` a 408; a client that disconnects aborts
+its sequence in the unit. Greedy ASD requests the `AuditSampler` draws are replayed on the exact reference arm in
+the background. Every status: docs/reliability.md; the request path: docs/architecture.md.
 """
 
 

@@ -1,23 +1,11 @@
 """The Engine: sequences by id over a CausalLM and its slot KV cache.
 
-Prefill, decode and teacher-forced scoring are all one call, `forward(seq_ids, tokens)`: each row's tokens are
-appended to that sequence's cache (the sequence is created on first use) and logits come back for them, all
-rows in ONE batched forward however their cached lengths and new-token counts differ. `crop` rolls back
-rejected draft positions; `release` frees the slot.
-
-Two ways to run a forward:
-- **eager** (prefill, the CPU): rows in slot order (so a contiguous run of slots reads cache views, see
-  kv_cache), returned in the caller's order; releasing compacts the slots so that run is the common case.
-- **fixed-shape** (decode and verify on a GPU; `graphs.StaticForward`): the batch laid out by slot and
-  padded to a bucket, captured once per shape as a CUDA graph and replayed.
-
-The host's work per forward is bookkeeping over the rows and one host-to-device copy of the round's ints; a
-drafter may pass its sampled tokens as a device tensor, so its loop never waits for the device.
-
-An eager forward whose padding would be most of its B·T tokens runs **packed rows** (`model.Packing`): the
-projections and the MLP see the real tokens only. That is what lets a unit feed a 32-token prompt chunk in the
-same forward as decode rows of a few tokens (`actors.prefill`) for about the price of the decode rows alone:
-padded, 7 decode rows beside one chunk would cost 8·32 tokens of GEMMs instead of 7·5 + 32.
+`forward(seq_ids, tokens, num_logits)` appends each row's tokens to its sequence's cache (created on first use)
+and returns logits for them, every row in one batched forward whatever its cached length and new-token count:
+prefill, decode and teacher-forced scoring alike. `crop` rolls back rejected drafts; `release` frees the slot.
+A forward runs eager, as packed rows when padding would be most of it, or, for decode and verify on a GPU, at a
+fixed shape (`graphs.StaticForward`): docs/architecture.md, "The native engine". The host's work per forward
+is bookkeeping over the rows and one host-to-device copy of the round's ints.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Fixed-shape decode and verify forwards, captured as CUDA graphs: the GPU path of the Engine.
 
-A small model's decode step on a GPU is bound by kernel launches, not by the device: hundreds of small kernels,
-each a few microseconds of Python and driver work. A CUDA graph records one forward's kernels once and
-replays them with one call. Graphs need fixed shapes and fixed addresses, so a step runs in **slot space**:
-
-- rows are the cache's slots 0..Bb-1 (Bb: the batch bucket covering the highest slot in the batch), not
-  the batch's own rows. Slots outside the batch are **dummy rows**: zero new tokens, so their keys and values
-  go to the junk position (kv_cache) and their logits are dropped. The cache is read as the view [0:Bb], with
-  no gather, whichever slots the batch holds (a drafter's shrinking set of live rows, say).
-- T (new tokens per row, ≤ `max_tokens`) is exact; S (keys read per row) is rounded up to a bucket with at
-  most ~1/8 waste, so a long decode captures a handful of graphs, not one per length.
-- inputs live in one static int tensor per graph, `meta` [Bb, 2 + 2T]: start, count, T token ids and T
-  logit positions per slot, filled by one host-to-device copy (plus, for a drafter, its device tokens).
-
-Graphs share one memory pool; the least recently used is dropped past `max_graphs`. On a CPU the same fixed-shape
-forward runs without capture, which is how the tests check it against the eager path.
+A step runs in **slot space**: its rows are the cache's slots 0..Bb-1 (Bb the batch bucket covering the highest
+slot in the batch), slots outside the batch are **dummy rows** (zero new tokens: keys and values to the junk
+position, logits dropped), and the cache is read as the view [0:Bb] with no gather. T (new tokens per row,
+≤ `max_tokens`) is exact and S (keys read per row) rounded up to a bucket. A graph's inputs are one static int
+tensor, `meta` [Bb, 2 + 2T], filled by one host-to-device copy. Graphs share one memory pool, the least recently
+used dropped past `max_graphs`; on a CPU the same forward runs uncaptured. Why: docs/architecture.md, "The
+native engine".
 """
 
 from __future__ import annotations

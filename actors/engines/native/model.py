@@ -1,32 +1,12 @@
 """Our own Llama-family causal LM over an explicit slot KV cache (gpt-fast style).
 
-Covers Llama and SmolLM2 (tied embeddings), Mistral (sliding window), Qwen2 (q/k/v bias) and Qwen3
-(per-head q_norm / k_norm). Parity with `transformers.AutoModelForCausalLM` is tested in
-tests/actors/test_model.py.
-
-Terms:
-- **slot**: a row of the KV cache; the Engine maps each sequence id to one slot.
-- **start**: how many positions a row already has cached; its new tokens take positions start, start+1, ...
-- **ragged batch**: B rows with different starts and different numbers of new tokens, right-padded to T.
-  Padded positions write their keys and values to the cache's junk position, never read by a real query.
-- **packed rows** (`Packing`): when padding is a large share of B·T (a 32-token prompt chunk beside decode rows
-  of a few tokens), the residual stream, the norms, the projections and the MLP run on the N real tokens only
-  ([N, hidden]); q/k/v are scattered to the padded [B, T] layout for RoPE, the cache and attention, and the
-  attention output is gathered back. A row's arithmetic is the same either way, the padding's is skipped.
-- **tensor parallel**: with `args.tp_size > 1` the module holds one Megatron shard (see actors.sharding):
-  q/k/v and gate/up hold this rank's heads / columns, o_proj and down_proj are row-split and their outputs
-  are summed over the group with an all-reduce. Embedding, norms and lm_head are replicated.
-- **fused projections**: weights load as transformers names them (q/k/v_proj, gate/up_proj); `fuse_projections`
-  (called by the Engine) concatenates q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, so a layer runs
-  four matrix products instead of seven (kernel launches dominate a small GPU decode step).
-- **grouped-query attention**: the G query heads that share a kv head are laid out as G·T query rows of that
-  head (`Attention.forward`), so fused attention kernels that refuse GQA with a mask still apply and keys are
-  never repeated. The mask is an additive bias computed once per forward (`CacheBatch.biases`).
-- **packed** (bf16 on a CPU with native bf16; `pack_for_cpu`, called by the Engine): the four projections and
-  the lm_head run as oneDNN `PackedLinear`s, attention as `invariant_attention` (actors.engines.native.packed);
-  the residual stream, norms, RoPE and SiLU stay in float32 and only GEMM inputs are rounded to bf16. The
-  forward is then batch-invariant (a row's logits are bitwise the same whatever else is in the batch), which
-  keeps speculative greedy decoding identical to target-only greedy decoding in bf16. Logits are float32.
+Covers Llama and SmolLM2 (tied embeddings), Mistral (sliding window), Qwen2 (q/k/v bias) and Qwen3 (per-head
+q_norm / k_norm); parity with `transformers.AutoModelForCausalLM` is tested in tests/actors/engines/test_model.py.
+Terms: a **slot** is a row of the KV cache; a row's **start** is how many positions it already has cached; a
+**ragged batch** has rows with different starts and new-token counts, right-padded to T (padding writes to the
+cache's junk position, never read by a real query); **packed rows** (`Packing`) run the token-wise layers on the
+N real tokens only. Logits are float32 on the packed path. Fused projections, the grouped-query layout, tensor
+parallelism and the packed CPU forward: docs/architecture.md, "The native engine".
 """
 
 from __future__ import annotations
@@ -317,9 +297,9 @@ class CausalLM(nn.Module):
 
         The projections' plain weights are dropped for their packed copies; the lm_head gets a packed copy
         beside the embedding. For float32 this is the whole change (`Engine` does it by default): PyTorch's
-        float32 `F.linear` on a CPU takes 2-3x longer for 2-9 rows than for one (measured for SmolLM2's shapes
-        on the development CPU), so scoring a few draft tokens cost about 2x a decode step; prepacked, 1-5 rows
-        cost about the same, and a row's result no longer depends on the row count."""
+        float32 `F.linear` on a CPU is much slower for a few rows than for one, so scoring a few draft tokens
+        cost far more than a decode step; prepacked, a few rows cost about what one does, and a row's result no
+        longer depends on the row count (docs/benchmarks.md, "Component costs behind design choices")."""
         if isinstance(self.lm_head, PackedLinear):
             return self
         self.fuse_projections()
@@ -381,7 +361,7 @@ class CausalLM(nn.Module):
         if logit_index is not None:
             x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))  # [B, K, hidden]
         logits = self.lm_head(self.norm(x))  # [B, K, V]
-        # packed: float32 logits, as argmax over a bf16 row is ~5x slower on CPU than the copy plus an fp32 argmax
+        # packed: float32 logits, as an argmax over a bf16 row is slower on a CPU than the copy plus an fp32 one
         return logits.float() if self.packed else logits
 
 

@@ -1,18 +1,12 @@
-"""The packed CPU kernels: bfloat16 GEMMs on oneDNN and attention whose per-row bits do not depend on the batch.
+"""The packed CPU kernels: oneDNN GEMMs on weights reordered once, and attention whose per-row bits do not depend
+on the batch.
 
-Used by `CausalLM.pack_for_cpu` (see actors.engines.native.model) when the model's weights are bfloat16 and the
-CPU has native bf16 dot products (AVX512-BF16 or AMX-BF16). Terms:
-
-- **packed**: a weight W [N, K] reordered once into oneDNN's blocked layout and run with
-  `mkldnn._linear_pointwise`, as inductor's CPU path does: no per-call reorder, ~1.5-2x faster than
-  `F.linear` on bf16 weights.
-- **batch-invariant**: a row's result is bitwise the same whatever else is in the forward: other rows (B),
-  other new tokens of the same row (T: scoring K drafts in one pass equals scoring them one at a time) and
-  the padded key length S. It holds because oneDNN's bf16 brgemm gives a row the same bits for every M >= 2
-  (its M = 1 kernel reduces K in another order, so one row is run as two), for every N and for zero-padded K;
-  the softmax runs in fp32 over keys padded to a multiple of KEY_ALIGN (no scalar tail). Measured in
-  tests/actors/engines/test_packed.py; it is what keeps speculative greedy decoding identical to target-only
-  greedy decoding in bf16.
+**packed**: a weight W [N, K] reordered once into oneDNN's blocked layout and run with
+`mkldnn._linear_pointwise`, as inductor's CPU path does (`CausalLM.pack_linears`, float32 and bf16).
+**batch-invariant**: a row's result is bitwise the same whatever else is in the forward (other rows, other new
+tokens of the same row, the padded key length S); `CausalLM.pack_for_cpu` gives that for bf16 weights on a CPU
+with native bf16 dot products (`can_pack`), tested in tests/actors/engines/test_packed.py. Why it holds:
+docs/architecture.md, "The native engine".
 """
 
 from __future__ import annotations
@@ -59,7 +53,7 @@ class PackedLinear(nn.Module):
     """y = x Wᵀ + b with W packed (see the module docstring); replaces an inference-only `nn.Linear`.
 
     bfloat16 or float32 weights. The input is cast to the weight dtype (a float32 residual stream feeds bf16
-    GEMMs); the output is in it. Rows are batch-invariant in both dtypes (float32 measured the same way)."""
+    GEMMs); the output is in it. Rows are batch-invariant in both dtypes (float32 tested the same way)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -1,13 +1,9 @@
 """Megatron-style tensor-parallel sharding of a CausalLM state dict (pure torch, no process group).
 
-Column-parallel: q_proj, k_proj, v_proj (by heads) and gate_proj, up_proj (by MLP columns): each rank keeps
-its rows of the weight. Row-parallel: o_proj and down_proj keep the matching input columns; their partial
-outputs are summed by an all-reduce in actors.model. Embedding, norms and lm_head are replicated (simplest;
-the lm_head is ~7% of SmolLM2's weights).
-
-Heads are split by key/value head *groups*: rank r gets a contiguous run of kv heads and the query heads that
-attend to them. Splits need not be even (SmolLM2 has 9 query / 3 kv heads, so TP=2 gives ranks 2+1 kv heads,
-6+3 query heads); the all-reduce sums partial outputs whatever their sizes. So the only limit is
+Column-parallel: q_proj, k_proj, v_proj (by heads) and gate_proj, up_proj (by MLP columns): each rank keeps its
+rows of the weight. Row-parallel: o_proj and down_proj keep the matching input columns; their partial outputs
+are summed by an all-reduce in `actors.engines.native.model`. Embedding, norms and lm_head are replicated.
+Heads are split by key/value head group, unevenly if need be, so the only limit is
 tp_size <= num_key_value_heads.
 """
 

@@ -1,23 +1,11 @@
 """vLLM as the execution engine (`target.engine: vllm`): vLLM runs the model, specserve decides what it runs.
 
-vLLM executes the target: its kernels, paged KV cache, prefix caching, continuous batching, CUDA graphs on GPU,
-quantized checkpoints, and tensor parallelism (`tensor_parallel_size`, inside the unit's Ray placement group
-on GPUs). specserve attaches **inside vLLM's own step loop** (docs/architecture.md, "The vLLM engine", has
-the spike and the figures behind this choice):
-
-- `worker.SpecserveProposer`, a vLLM `custom_class` proposer, drafts for every request of each engine step
-  with specserve's drafters (`actors.drafting`: n-gram or suffix) and a γ per request per step from
-  specserve's policy (`actors.policy.PolicyCore`, the class the policy actor hosts), γ = 0 included;
-- `plugin.register`, a `vllm.general_plugins` entry point, hooks the worker's sampling step: after vLLM's
-  rejection sampler (exact: greedy identity, distribution-exact speculative sampling), rows of ASD requests
-  are re-verified on vLLM's raw target logits with `policies.asd.verify_asd_scores`, charging the request's
-  regret ledger;
-- `unit.VllmUnit` is the unit (what a Serve replica owns): the same `generate` / `abort` / `close` surface
-  as `actors.coordinator.Coordinator`, so arms, `usage.speculative`, metrics and the OpenAI surface are
-  unchanged.
-
-Only requests that carry specserve's settings (`SamplingParams.extra_args["specserve"]`) are touched, so other
-vLLM engines in the same environment behave as before.
+specserve attaches inside vLLM's own step loop: `worker.SpecserveProposer`, a `custom_class` proposer, drafts
+and picks γ per request per step (γ = 0 included); `plugin.register`, a `vllm.general_plugins` entry point,
+re-verifies greedy ASD rows on the raw target logits after vLLM's rejection sampler and charges their ledgers;
+`unit.VllmUnit` is the unit, with the coordinator's `generate` / `abort` / `close` surface. Only requests that
+carry specserve's settings (`SamplingParams.extra_args["specserve"]`) are touched, so other vLLM engines in the
+same environment behave as before. How and why: docs/architecture.md, "The vLLM engine".
 """
 
 from __future__ import annotations
