@@ -29,6 +29,7 @@ from policies.gamma import ArmStatistics, GammaPolicy, best_gamma
 
 log = logging.getLogger(__name__)
 
+CLOSED_KEPT = 1024  # closed ledgers the authority remembers
 SYNC_TIMEOUT_S = 10.0  # `UnitPolicy.synced` / `flush(wait=True)`: how long to wait for the authority
 
 
@@ -60,7 +61,7 @@ class UnitReport:
     rows: tuple[tuple[str, int, int, tuple[float, ...], int], ...] = ()  # (arm, γ, accepted, confidence, match_len)
     costs: tuple[tuple[int, float | None, tuple[tuple[int, float], ...]], ...] = ()  # (batch, draft s, ((n, s),))
     ledgers: tuple[LedgerState, ...] = ()  # open ledgers, as they are now
-    closed: tuple[str, ...] = ()  # ledgers closed since the last report
+    closed: tuple[LedgerState, ...] = ()  # ledgers closed since the last report, as they ended
 
     def __bool__(self) -> bool:
         return bool(self.rows or self.costs or self.ledgers or self.closed)
@@ -80,6 +81,7 @@ class PolicyCore:
         self.gamma = gamma_policy(**settings)
         self.epoch = uuid.uuid4().hex
         self.ledgers: dict[str, LedgerState] = {}
+        self.closed: dict[str, LedgerState] = {}  # the last CLOSED_KEPT ledgers closed, as they ended (audits)
         self.reports = 0
 
     def report(self, report: UnitReport) -> PolicySnapshot:
@@ -92,8 +94,11 @@ class PolicyCore:
             if state.spent > state.budget + 1e-6:
                 log.error("ledger %s reported over budget: %s", state.request_id, state)
             self.ledgers[state.request_id] = state
-        for request_id in report.closed:
-            self.ledgers.pop(request_id, None)
+        for state in report.closed:
+            self.ledgers.pop(state.request_id, None)
+            self.closed[state.request_id] = state
+            while len(self.closed) > CLOSED_KEPT:
+                self.closed.pop(next(iter(self.closed)))
         self.reports += 1
         return self.snapshot()
 
@@ -108,7 +113,8 @@ class PolicyCore:
         self.ledgers.pop(request_id, None)
 
     def ledger(self, request_id: str) -> LedgerState | None:
-        return self.ledgers.get(request_id)
+        """An open ledger as last reported, else a recently closed one as it ended; None if unknown."""
+        return self.ledgers.get(request_id) or self.closed.get(request_id)
 
     def summary(self) -> dict:
         return {"epoch": self.epoch, "reports": self.reports, "open_ledgers": len(self.ledgers),
@@ -151,7 +157,7 @@ class UnitPolicy:
             self.gamma.gamma_min, best_gamma(prior, self.gamma.costs.default_draft_cost, self.gamma.gamma_max))
         self.ledgers: dict[str, tuple[str, RegretLedger]] = {}  # request id -> (arm, the lease)
         self._dirty: set[str] = set()
-        self._closed: list[str] = []
+        self._closed: list[LedgerState] = []
         self._rows: list[tuple[str, int, int, tuple[float, ...], int]] = []
         self._costs: list[tuple[int, float | None, tuple[tuple[int, float], ...]]] = []
         self._epoch: str | None = None
@@ -177,7 +183,7 @@ class UnitPolicy:
         if entry is None:
             return None
         self._dirty.discard(request_id)
-        self._closed.append(request_id)
+        self._closed.append(self._state(request_id, entry))
         return entry[1].summary()
 
     def open_ledgers(self) -> list[str]:
@@ -258,8 +264,8 @@ class UnitPolicy:
         self._rows, self._costs, self._dirty, self._closed = [], [], set(), []
         return report
 
-    def _state(self, request_id: str) -> LedgerState:
-        arm, ledger = self.ledgers[request_id]
+    def _state(self, request_id: str, entry: tuple[str, RegretLedger] | None = None) -> LedgerState:
+        arm, ledger = entry or self.ledgers[request_id]
         return LedgerState(request_id, self.unit, arm, ledger.budget, ledger.spent, len(ledger.events),
                            ledger.blocks)
 

@@ -95,14 +95,14 @@ class OpenAIIngress:
     `config` the dumped `SpecServeConfig`."""
 
     def __init__(self, decoder, config: dict[str, Any]):
-        from actors.sources import load_tokenizer, model_info
+        from actors.sources import context_length, load_tokenizer, model_info
 
         self.config = parse_config(config)
         self.decoder = decoder.options(stream=True)
         self.app_name = serve.get_replica_context().app_name
         self.tokenizer = load_tokenizer(self.config.target.source)
         info = model_info(self.config.target.source)
-        self.max_seq_len = self.config.target.max_seq_len or info["max_position_embeddings"]
+        self.max_seq_len = context_length(self.config.target.max_seq_len, info)
         self.vocab_size = info["vocab_size"]
         self.router = ArmRouter(self.config.arms)
         self.sampler = AuditSampler(self.config.audit.fraction)
