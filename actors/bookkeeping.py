@@ -50,6 +50,7 @@ class RequestBook:
     gammas: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     degraded: bool = False  # a draft was wanted while the drafter was down
+    resumes: int = 0  # times the request was resumed on a rebuilt engine
     ledger: RegretLedger | None = None
     ledger_summary: dict | None = None  # the ledger's summary, where the ledger itself stayed in another process
 

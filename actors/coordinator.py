@@ -8,7 +8,8 @@ them to the app's authority in the background. The same loop runs in-process and
 differ, and outputs are identical.
 
 Failures: a drafter that fails makes its rows decode target-only (requests marked degraded) until it recovers.
-A target that fails ends the in-flight requests with finish_reason "error" and is rebuilt.
+A target whose shard dies is rebuilt and the running requests resume on it, prefilled again from their prompt
+and the tokens already emitted (greedy output as if undisturbed); any other failure ends them with "error".
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 
 
 from actors.contracts import (DraftBatch, DraftRequest, DrafterBackend, Engine, RoundReport, TargetBackend, TargetBatch,
-                              TargetResult, split_result)
+                              TargetResult, TargetUnavailable, split_result)
 from actors.prefill import PrefillChunk, prefill_batch
 from actors.policy import UnitPolicy
 from actors.requests import (EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams,
@@ -30,6 +31,8 @@ from actors.stats import LoopObserver, NullObserver, RoundRecord, RowRecord
 from actors.verification import asd_batches, asd_outcomes, exact_outcomes, relaxed_sampled
 
 log = logging.getLogger(__name__)
+
+MAX_RESUMES = 2  # times a request is resumed on a rebuilt target before it ends with an error
 
 __all__ = ["Coordinator", "ArmSpec", "EXACT", "GenerationChunk", "GenerationRequest", "GenerationResult",
            "SamplingParams"]
@@ -170,6 +173,9 @@ class Coordinator:
                 await asyncio.sleep(0)  # local backends never suspend: let consumers and aborts run
             except asyncio.CancelledError:
                 raise
+            except TargetUnavailable as exc:  # a shard died: rebuild the target, resume what was running
+                log.warning("unit %s: target lost (%s); rebuilding and resuming its requests", self.unit, exc)
+                await self._resume_all(exc)
             except Exception as exc:  # a failed part of the unit fails its in-flight requests, never hangs them
                 log.exception("unit %s: round failed", self.unit)
                 await self._fail_all(exc)
@@ -201,7 +207,7 @@ class Coordinator:
         keys = [s.key() for s in new]
         self.scheduler.set_plan(keys, self.policy.plan(keys, len(self.scheduler.active)))
         now = self.clock()
-        for b, seq in ((b, c.seq) for b, c in enumerate(chunks) if c.last):
+        for b, seq in ((b, c.seq) for b, c in enumerate(chunks) if c.last and not c.seq.output):
             token = result.sampled_tokens[b][0] if b in result.sampled_tokens else int(result.scores.argmax_ids[b, 0])
             seq.book.first_token_s = now
             await self._commit(seq, RowOutcome([token], accepted=0), drafted=0, is_round=False)
@@ -320,10 +326,29 @@ class Coordinator:
             except Exception:
                 log.warning("unit %s: drafter release of %s failed", self.unit, seq_id)
 
-    async def _fail_all(self, exc: Exception) -> None:
+    async def _resume_all(self, exc: Exception) -> None:
+        """Rebuild the target and prefill every running sequence again from its prompt and the tokens it has
+        emitted (its book and ledger lease are the unit's, so they carry on); a sequence resumed more than
+        `MAX_RESUMES` times, or a target that cannot be rebuilt, ends its requests with an error instead."""
+        try:
+            await self.target.rebuild()
+        except Exception:
+            log.exception("unit %s: target rebuild failed", self.unit)
+            await self._fail_all(exc, rebuild=False)
+            return
+        for seq in self.scheduler.running():
+            seq.book.resumes += 1
+            if seq.book.resumes > MAX_RESUMES:
+                await self._finish(seq, "error", error=f"unit {self.unit}: target lost {seq.book.resumes} times")
+            else:
+                self.scheduler.resume(seq)
+
+    async def _fail_all(self, exc: Exception, *, rebuild: bool = True) -> None:
         message = f"unit {self.unit} failed: {type(exc).__name__}: {exc}"
         for seq in self.scheduler.running():
             await self._finish(seq, "error", error=message)
+        if not rebuild:
+            return
         try:
             await self.target.rebuild()
         except Exception:

@@ -251,10 +251,10 @@ class UnitPolicy:
         """Everything observed so far has been merged by the authority (a unit going idle; tests)."""
         for _ in range(2):  # the report in flight, then what came after it
             if self._pending is not None:
-                await asyncio.wait([asyncio.wrap_future(self._pending[0])], timeout=SYNC_TIMEOUT_S)
+                await asyncio.to_thread(concurrent.futures.wait, [self._pending[0]], SYNC_TIMEOUT_S)
             self.flush()
         if self._pending is not None:
-            await asyncio.wait([asyncio.wrap_future(self._pending[0])], timeout=SYNC_TIMEOUT_S)
+            await asyncio.to_thread(concurrent.futures.wait, [self._pending[0]], SYNC_TIMEOUT_S)
             if self._pending[0].done():
                 self._receive()
 

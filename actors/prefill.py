@@ -27,8 +27,11 @@ class Prefilling(Protocol):
     """What chunking reads of a sequence (`actors.scheduler.SequenceState`)."""
 
     request: GenerationRequest
-    tokens: list[int]  # the prompt (nothing is emitted before the prefill ends)
-    prefilled: int  # prompt tokens already in the target's KV cache
+    tokens: list[int]  # the prompt, then what the request emitted
+    prefilled: int  # tokens already in the target's KV cache
+
+    @property
+    def prefill_end(self) -> int: ...  # tokens the prefill feeds: the prompt, or all but the pending one
 
     @property
     def rid(self) -> str: ...
@@ -44,8 +47,8 @@ class PrefillChunk:
 
     @property
     def last(self) -> bool:
-        """The chunk completes the prompt: its logits give the first token."""
-        return self.end == len(self.seq.request.prompt_ids)
+        """The chunk completes the prefill: its logits give the first token (of a request not resumed)."""
+        return self.end == self.seq.prefill_end
 
 
 def plan_chunks(prefilling: list[Prefilling], budget: int | None) -> list[PrefillChunk]:
@@ -55,7 +58,7 @@ def plan_chunks(prefilling: list[Prefilling], budget: int | None) -> list[Prefil
         raise ValueError(f"budget: must be >= 1 or None, got {budget}")
     chunks = []
     for seq in prefilling:
-        start, length = seq.prefilled, len(seq.request.prompt_ids)
+        start, length = seq.prefilled, seq.prefill_end
         end = length if budget is None else min(length, (start // budget + 1) * budget)
         chunks.append(PrefillChunk(seq, start, end))
     return chunks
@@ -65,7 +68,7 @@ def prefill_batch(chunks: list[PrefillChunk], decode: TargetBatch | None = None)
     """The target step that feeds `chunks`: no crop, no drafts, the last position scored per chunk; with
     `decode`, that round's rows first and the chunks after them (`TargetBatch.prompt_rows`)."""
     n = len(chunks)
-    sampling = [c.seq.request.params.spec() if c.last else GREEDY for c in chunks]
+    sampling = [c.seq.request.params.spec() if c.last and not c.seq.output else GREEDY for c in chunks]
     tokens = [c.seq.tokens[c.start : c.end] for c in chunks]
     if decode is None:
         return TargetBatch(

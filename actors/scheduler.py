@@ -50,6 +50,11 @@ class SequenceState:
         return self.book.greedy
 
     @property
+    def prefill_end(self) -> int:
+        """Tokens the prefill puts in the KV cache: the prompt, or after a resume every token but the pending one."""
+        return len(self.tokens) - 1 if self.output else len(self.request.prompt_ids)
+
+    @property
     def asd(self) -> bool:
         return self.book.asd
 
@@ -164,6 +169,13 @@ class Scheduler:
         self.prefilling = [s for s in self.prefilling if s.rid not in ids]
         self.active.extend(done)
         return done
+
+    def resume(self, seq: SequenceState) -> None:
+        """A running sequence whose KV was lost prefills again: its prompt and every token but the pending one."""
+        if seq in self.active:
+            self.active.remove(seq)
+            self.prefilling.append(seq)
+        seq.prefilled, seq.crop = 0, NO_CROP
 
     def remove(self, seq: SequenceState) -> None:
         if seq in self.prefilling:

@@ -23,10 +23,15 @@ class Seq:
     request: Request
     tokens: list
     prefilled: int = 0
+    output: tuple = ()
 
     @property
     def rid(self):
         return self.request.request_id
+
+    @property
+    def prefill_end(self):
+        return len(self.request.prompt_ids)
 
 
 def seq(rid, n, prefilled=0):

@@ -163,7 +163,10 @@ def test_sampled_speculation_is_distribution_exact(unit, tokenizer):
     """
     from scipy.stats import chi2_contingency
 
-    prompt = prompts(tokenizer)[0]
+    # a raw continuation whose next token is almost surely in the prompt, so the n-gram drafter drafts at the
+    # first decode step: token 1 is the first one a verification decides (a γ clamp keeps later drafts within
+    # max_tokens, so only that step's drafts count)
+    prompt = tokenizer.encode("apple, banana, cherry, apple, banana, cherry, apple, banana, cherry, apple, banana,")
     n = 400
 
     def draw(speculate: bool, tag: str) -> tuple[list[int], int]:
