@@ -3,10 +3,10 @@
     specserve serve CONFIG [--host 127.0.0.1] [--port 8000]
     specserve generate CONFIG --prompt TEXT [--chat] [--max-tokens N] [--arm NAME] [--no-speculation] [--json]
     specserve status
-    specserve ab report ...            (cluster.experiments.report)
+    specserve ab report ...            (experiments.ab_report)
     specserve render-k8s CONFIG [--image IMAGE] [--out PATH]
-    specserve bench ...                (cluster.bench.run)
-    specserve eval ...                 (cluster.experiments.eval.cli)
+    specserve bench ...                (bench.run)
+    specserve eval ...                 (experiments.eval.cli)
 
 Ray 2.60 turns token authentication on for a local cluster it starts and writes the token to
 ~/.ray/auth_token; `serve` and `status` work with it as is (set RAY_AUTH_MODE=disabled to opt out, loopback
@@ -120,7 +120,7 @@ def generate_once(config, prompt: str, *, chat: bool = False, max_tokens: int | 
     from actors.requests import SamplingParams
     from actors.sources import load_tokenizer
     from cluster.config import validate_models
-    from cluster.experiments.ab import ArmRouter
+    from cluster.serving.ab import ArmRouter
     from cluster.serving.decoder import DecodeJob, Finished, decode_events, local_unit
     from cluster.serving.protocol import resolve_max_tokens, usage_body
 
@@ -273,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=cmd_status)
 
     # `ab report` and `bench` own their arguments (see DELEGATES); listed here for --help.
-    ab = commands.add_parser("ab", help="A/B experiments: `specserve ab report --help` (cluster.experiments.report)")
-    ab.set_defaults(handler=lambda a: _delegate("cluster.experiments.report", ["--help"]))
+    ab = commands.add_parser("ab", help="A/B experiments: `specserve ab report --help` (experiments.ab_report)")
+    ab.set_defaults(handler=lambda a: _delegate("experiments.ab_report", ["--help"]))
 
     k8s = commands.add_parser("render-k8s", help="render a KubeRay RayService manifest from a config")
     k8s.add_argument("config")
@@ -282,17 +282,17 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--out", default=None)
     k8s.set_defaults(handler=cmd_render_k8s)
 
-    bench = commands.add_parser("bench", help="benchmarks: `specserve bench --help` (cluster.bench.run)")
-    bench.set_defaults(handler=lambda a: _delegate("cluster.bench.run", ["--help"]))
+    bench = commands.add_parser("bench", help="benchmarks: `specserve bench --help` (bench.run)")
+    bench.set_defaults(handler=lambda a: _delegate("bench.run", ["--help"]))
 
     evaluate = commands.add_parser("eval", help="task suites scored per arm: `specserve eval --help`")
-    evaluate.set_defaults(handler=lambda a: _delegate("cluster.experiments.eval.cli", ["--help"]))
+    evaluate.set_defaults(handler=lambda a: _delegate("experiments.eval.cli", ["--help"]))
     return parser
 
 
 # Subcommands whose own parsers own every argument after them.
-DELEGATES = {("ab", "report"): "cluster.experiments.report", ("bench",): "cluster.bench.run",
-             ("eval",): "cluster.experiments.eval.cli"}
+DELEGATES = {("ab", "report"): "experiments.ab_report", ("bench",): "bench.run",
+             ("eval",): "experiments.eval.cli"}
 
 
 def main(argv: list[str] | None = None) -> int:

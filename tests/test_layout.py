@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("policies", "actors", "cluster")
+PACKAGES = ("policies", "actors", "cluster", "bench", "experiments")
 MAX_LINES = 400
 # Needed at run time without being imported by our code: transformers' GGUF loader (the embedded SmolLM2)
 # imports gguf and refuses to load without accelerate ("accelerate is required when loading a GGUF file").
