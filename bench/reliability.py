@@ -178,11 +178,10 @@ LONG_PROMPT_TOKENS = 1500
 STALL_CHUNKS = (None, 16, 32, 64, 128)  # prefill_chunk_tokens compared (plus the config's own)
 
 
-def main_section(args, argv: list[str]) -> int:
+def main_section(args, command: str) -> int:
     """`specserve bench --section reliability [--quick] [--out DIR] [CONFIG]`: fuzzing, faults under load and
     the long-prefill stall, written to DIR/results.json and DIR/report.md."""
     import logging
-    import shlex
     from datetime import datetime, timezone
     from pathlib import Path
 
@@ -192,7 +191,7 @@ def main_section(args, argv: list[str]) -> int:
     out = Path(args.out or f"bench-out/reliability-{preset_name}")
     out.mkdir(parents=True, exist_ok=True)
     started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
-    results = {"meta": {"command": "specserve bench " + " ".join(shlex.quote(a) for a in argv), "started": started,
+    results = {"meta": {"command": command, "started": started,
                         "config": args.config, "preset": {k: list(v) if isinstance(v, tuple) else v
                                                            for k, v in preset.items()}}}
     parts = out / "parts"  # each part is kept as soon as it is measured; --resume reuses them

@@ -31,8 +31,8 @@ STALL_TOLERANCE = 0.02  # a single-stream section with more stalled rounds than 
 STALL_RETRIES = 2  # at most this many times
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0])
+def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the bench's arguments to `parser`."""
     parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"deployment config (default {DEFAULT_CONFIG})")
     parser.add_argument("--quick", action="store_true", help="the quick preset (< 6 min on 2 quiet cores)")
     parser.add_argument("--out", default=None, help="output folder (default bench-out/<preset>)")
@@ -52,7 +52,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="reliability: fuzzing, faults under load, long-prefill stall (bench.reliability); "
                         "vllm: specserve on the vLLM engine vs vLLM's own server (bench.vllm_peer; "
                         "CONFIG defaults to configs/local-vllm.yaml)")
-    return parser.parse_args(argv)
+    return parser
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `bench` on the `specserve` subparsers; the namespace's `handler` is `run_command`."""
+    parser = subparsers.add_parser("bench", help="the benchmark suite (docs/benchmarks.md)",
+                                   description=__doc__.split("\n\n")[0])
+    configure_parser(parser)
+    parser.set_defaults(handler=run_command)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments after `bench`, parsed; `argv` (the command line after `specserve`) is kept for the meta."""
+    parser = configure_parser(argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0]))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = ["bench", *argv]
+    return args
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as given (results.json's `meta.command`)."""
+    return "specserve " + " ".join(shlex.quote(a) for a in getattr(args, "argv", None) or ["bench"])
 
 
 def make_plan(args: argparse.Namespace) -> BenchPlan:
@@ -150,7 +173,7 @@ def _asd_settings(config, plan: BenchPlan, workload: str) -> list[tuple[str, ASD
     return settings
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> dict:
+def run(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(TORCH_THREADS)
@@ -263,7 +286,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         "summary": summary,
         "goals": judge(summary, results),
         "meta": {
-            "command": "specserve bench " + " ".join(shlex.quote(a) for a in argv),
+            "command": command_line(args),
             "machine": machine(), "started": started, "elapsed_s": time.monotonic() - t0,
             "model": target.source, "drafter": drafter_label(drafter_cfg),
             "torch": torch.__version__, "transformers": transformers.__version__, "torch_threads": TORCH_THREADS,
@@ -274,9 +297,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """`specserve bench` for parsed arguments; returns the exit status."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("bench %(message)s"))
     log.addHandler(handler)
@@ -285,13 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.section == "reliability":
         from bench.reliability import main_section
 
-        return main_section(args, argv)
+        return main_section(args, command_line(args))
     if args.section == "vllm":
         from bench.vllm_peer import main_section
 
-        return main_section(args, argv)
+        return main_section(args, command_line(args))
     try:
-        results = run(args, argv)
+        results = run(args)
     except ValueError as err:
         log.error("error: %s", err)
         return 2
@@ -306,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         state = "not measured" if goal["met"] is None else ("met" if goal["met"] else "MISSED")
         log.info("  %-24s %s", goal["key"], state)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.run ...`: the same as `specserve bench ...`."""
+    return run_command(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -323,7 +323,7 @@ def report_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main_section(args, argv: list[str]) -> int:
+def main_section(args, command: str) -> int:
     from datetime import datetime, timezone
 
     preset_name = "quick" if args.quick else "full"
@@ -338,7 +338,7 @@ def main_section(args, argv: list[str]) -> int:
     config = args.config if args.config != "configs/local.yaml" else "configs/local-vllm.yaml"
     started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
     results = vllm_section(config, preset, out)
-    results["meta"] = {"command": "specserve bench " + " ".join(shlex.quote(a) for a in argv), "started": started,
+    results["meta"] = {"command": command, "started": started,
                        "config": config, "preset": preset, "elapsed_s": time.monotonic() - t0}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "report.md").write_text(report_markdown(results))

@@ -316,11 +316,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `report` on the `ab` command's subparsers; the parsed namespace's `func` is `run`."""
+    """Register `report` on the `ab` command's subparsers; the parsed namespace's `handler` (and `func`) is `run`."""
     parser = subparsers.add_parser("report", help="per-arm figures and differences with bootstrap CIs",
                                    description=__doc__.split("\n\n")[0])
     configure_parser(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(handler=run, func=run)
     return parser
 
 

@@ -57,3 +57,13 @@ def test_sections_and_skip_name_known_sections_only():
     assert plan.sections == ("single", "sampled") and plan.name == "quick"
     with pytest.raises(ValueError, match="--sections: unknown sections"):
         make_plan(parse_args(["--sections", "single,speed"]))
+
+
+def test_results_record_the_command_as_given():
+    from bench.run import command_line, parse_args
+    from cluster.cli import build_parser
+
+    assert command_line(parse_args(["--quick", "--out", "a b"])) == "specserve bench --quick --out 'a b'"
+    args = build_parser().parse_args(["-v", "bench", "--quick"])
+    args.argv = ["-v", "bench", "--quick"]  # cluster.cli.main sets it
+    assert command_line(args) == "specserve -v bench --quick"
