@@ -1,20 +1,9 @@
-"""Measured α, c and v(γ) from a run's rounds, and the speedup the model predicts from them.
+"""α, c and v(γ) of a run, measured from its single-stream rounds, and the speedup the policy's model predicts.
 
-Terms (DESIGN.md). From the single-stream rounds of one run:
-- **t1**: one target step, the median score time of the plain (0-draft) rounds of the target-only run.
-- **v(k)**: median score time of rounds that fed k drafts (k + 1 tokens), over t1; v(0) = 1.
-- **c**: drafter time per drafted token over t1 (the n-gram drafter costs one lookup per round).
-- **α**: the maximum-likelihood acceptance of a truncated geometric: Σ accepted / (Σ accepted + rounds with a
-  rejection), the estimator the policy itself uses.
-
-**Predicted speedup** of a run: Σ_r E(α, k_r) / Σ_r (k_r·c + v(k_r)) over its rounds, where k_r is what the
-drafter actually proposed in round r (prompt lookup often proposes fewer than γ, or nothing). With every k_r = γ
-this is S(γ) of the design. **Realized** is decode tokens/s of the run over that of target-only decoding (prefill
-excluded, as the model has no prefill). realized / predicted < 1 measures what the model leaves out: per-round
-orchestration and verification, and acceptance that is not i.i.d.
-
-**Stalled rounds**: rounds whose score time exceeds `STALL_FACTOR`·t1 (scoring 9 tokens costs about 2·t1 on
-this CPU). They come from other processes taking the CPU, not from the model; a run with many is noisy.
+The estimates are the policy's own: α is `policies.estimators.Acceptance` (no decay, no prior) and c, v(γ) are a
+`policies.estimators.CostModel` fed the run's median timings, so the bench judges the model the policy uses.
+Everything is relative to t1, the target-only run's median plain-round score time. Terms and the prediction
+rule: docs/benchmarks.md, "The fit".
 """
 
 from __future__ import annotations
@@ -24,9 +13,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from actors.stats import RoundRecord
+from policies.estimators import Acceptance, CostModel
 from policies.gamma import expected_tokens
 
-STALL_FACTOR = 5.0
+STALL_FACTOR = 5.0  # a round whose score time exceeds this many t1 was stalled by other load
 
 
 def _single_rows(rounds: Sequence[RoundRecord]) -> list[tuple[RoundRecord, int, int]]:
@@ -41,52 +31,35 @@ def target_step_s(target_only_rounds: Sequence[RoundRecord]) -> float | None:
 
 
 def acceptance(rounds: Sequence[RoundRecord]) -> float | None:
-    """α (truncated-geometric MLE) over the rounds that drafted."""
-    accepted = failures = 0
+    """α, the truncated-geometric MLE over the rounds that drafted (None when none did)."""
+    counts = Acceptance()
     for _, k, a in _single_rows(rounds):
-        if k > 0:
-            accepted += a
-            failures += a < k
-    return accepted / (accepted + failures) if accepted + failures else None
+        counts.update(k, a, decay=1.0)
+    return counts.estimate(prior=0.0, weight=0.0) if counts.trials else None
 
 
-def verify_costs(rounds: Sequence[RoundRecord], t1: float) -> dict[int, float]:
-    """v(k) for every draft width k seen in single-row rounds; v(0) = 1 by definition."""
+def cost_model(rounds: Sequence[RoundRecord], t1: float) -> tuple[CostModel, int | None]:
+    """The policy's cost model at batch size 1, fed t1 as the 1-token time, each drafted width's median score
+    time and the drafter's seconds per drafted token; and the widest width drafted (None: nothing drafted)."""
     by_k: dict[int, list[float]] = defaultdict(list)
     for r, k, _ in _single_rows(rounds):
-        if k > 0:
+        if k > 0 and r.score_s > 0:
             by_k[k].append(r.score_s)
-    return {0: 1.0, **{k: statistics.median(v) / t1 for k, v in sorted(by_k.items())}}
-
-
-def draft_cost(rounds: Sequence[RoundRecord], t1: float) -> float | None:
-    """c: drafter seconds per drafted token, over t1."""
     drafted = sum(k for _, k, _ in _single_rows(rounds))
-    seconds = sum(r.draft_s for r, k, _ in _single_rows(rounds) if k > 0)
-    return seconds / drafted / t1 if drafted else None
+    draft_s = sum(r.draft_s for r, k, _ in _single_rows(rounds) if k > 0)
+    model = CostModel(default_draft_cost=0.0, decay=0.0)
+    model.observe(1, draft_s / drafted if drafted and draft_s > 0 else None,
+                  {1: t1, **{k + 1: statistics.median(v) for k, v in by_k.items()}})
+    return model, (max(k for _, k, _ in _single_rows(rounds)) if drafted else None)
 
 
-def _interpolate(costs: dict[int, float], k: int) -> float:
-    if k in costs:
-        return costs[k]
-    known = sorted(costs)
-    lower = max((x for x in known if x < k), default=known[0])
-    upper = min((x for x in known if x > k), default=None)
-    if upper is None:  # beyond the widest measured: extend the last slope
-        if len(known) < 2:
-            return costs[lower]
-        a, b = known[-2], known[-1]
-        return costs[b] + (costs[b] - costs[a]) / (b - a) * (k - b)
-    return costs[lower] + (costs[upper] - costs[lower]) * (k - lower) / (upper - lower)
-
-
-def predicted_speedup(rounds: Sequence[RoundRecord], alpha: float, c: float, v: dict[int, float]) -> float | None:
-    """Σ E(α, k_r) / Σ (k_r·c + v(k_r)) over the single-row rounds (None without rounds)."""
+def predicted_speedup(rounds: Sequence[RoundRecord], alpha: float, c: float, v: Sequence[float]) -> float | None:
+    """Σ E(α, k_r) / Σ (k_r·c + v(k_r)) over the single-row rounds, `v[k]` = v(k) (None without rounds)."""
     rows = _single_rows(rounds)
     if not rows:
         return None
     tokens = sum(expected_tokens(alpha, k) for _, k, _ in rows)
-    cost = sum(k * c + _interpolate(v, k) for _, k, _ in rows)
+    cost = sum(k * c + v[k] for _, k, _ in rows)
     return tokens / cost
 
 
@@ -96,17 +69,19 @@ def fit(run_rounds: Sequence[RoundRecord], target_only_rounds: Sequence[RoundRec
     alpha = acceptance(run_rounds)
     if t1 is None or t1 <= 0:
         return {"t1_s": t1, "alpha": alpha, "c": None, "v": {}, "predicted": None}
-    v = verify_costs(run_rounds, t1)
-    c = draft_cost(run_rounds, t1)
     rows = _single_rows(run_rounds)
+    model, widest = cost_model(run_rounds, t1)
+    curve = model.verify_cost(1, widest or 0)
+    widths = sorted({0} | {k for _, k, _ in rows})
+    c = model.draft_cost(1) if widest else None
     if alpha is None or c is None:  # nothing drafted: the model predicts plain decoding
         predicted = 1.0 if rows else None
     else:
-        predicted = predicted_speedup(run_rounds, alpha, c, v)
+        predicted = predicted_speedup(run_rounds, alpha, c, curve)
     totals = {name: sum(getattr(r, name) for r, _, _ in rows) for name in ("draft_s", "score_s", "verify_s", "total_s")}
     orchestration = sum(r.orchestration_s for r, _, _ in rows)
     return {
-        "t1_s": t1, "alpha": alpha, "c": c, "v": {str(k): x for k, x in v.items()}, "predicted": predicted,
+        "t1_s": t1, "alpha": alpha, "c": c, "v": {str(k): curve[k] for k in widths}, "predicted": predicted,
         "rounds": len(rows), "stalled_rounds": sum(r.score_s > STALL_FACTOR * t1 for r, _, _ in rows),
         "mean_drafted": statistics.fmean(k for _, k, _ in rows) if rows else None,
         "drafted_round_share": sum(k > 0 for _, k, _ in rows) / len(rows) if rows else None,

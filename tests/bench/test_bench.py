@@ -48,6 +48,21 @@ def test_fit_recovers_alpha_costs_and_the_speedup_formula():
     assert fit["predicted"] == pytest.approx(e / (4 * fit["c"] + 1.5))
 
 
+def test_fit_uses_the_policys_cost_rule():
+    """v(k) is the policy's CostModel curve: relative to t1, never below 1, non-decreasing in k."""
+    from policies.estimators import CostModel
+
+    plain = [_round(0, 0, 0.10) for _ in range(3)]
+    run = [_round(2, 1, 0.08), _round(2, 2, 0.08), _round(6, 3, 0.18)]  # k = 2 measured faster than t1: noise
+    fit = speedup.fit(run, plain)
+    reference = CostModel(default_draft_cost=0.0, decay=0.0)
+    reference.observe(1, 0.003 / 10, {1: 0.10, 3: 0.08, 7: 0.18})
+    curve = reference.verify_cost(1, 6)
+    assert fit["v"] == {"0": 1.0, "2": pytest.approx(curve[2]), "6": pytest.approx(curve[6])}
+    assert fit["v"]["2"] == 1.0 and fit["v"]["6"] == pytest.approx(1.8)
+    assert fit["c"] == pytest.approx(reference.draft_cost(1))
+
+
 def test_nothing_drafted_predicts_plain_decoding():
     plain = [_round(0, 0, 0.1) for _ in range(3)]
     assert speedup.fit(plain, plain)["predicted"] == 1.0
