@@ -2,11 +2,9 @@
 
     python -m bench.actors_bench [CONFIG] [--workload edit] [--prompts 3] [--max-tokens 64] [--json PATH]
 
-For each path (`inprocess`: `build_unit(on_ray=False)`; `ray`: `build_unit(on_ray=True)` with the target in a
-Ray actor and the policy actor) it decodes the same prompts target-only and speculatively (the config's
-drafter, adaptive γ) and reports tokens/s and the share of round time in draft, score, verify and
-**orchestration** (everything else in a round: plan pick-up, batching, policy calls, commits). The score phase
-is split further into the model forward (timed inside the target) and the rest (the actor call on Ray).
+Per path (`inprocess`: `build_unit(on_ray=False)`; `ray`: `build_unit(on_ray=True)`) it decodes the same prompts
+target-only and speculatively and reports tokens/s and the share of round time in draft, score (split into the
+model forward and the rest), verify and orchestration (everything else in a round).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Faults injected into a served app: the process of one of its actors is killed (SIGKILL, as a crash or the
-OOM killer would), and the time until the service answers again is measured.
+"""Faults injected into a served app: the process of one of its actors is killed with SIGKILL (`FAULTS`: the
+drafter, a target shard, the policy actor, a decoder replica), and `time_to_recover` measures how long until
+the service answers again. What each fault must and must not do: docs/reliability.md.
 
-| fault          | the process of                          | what should happen (DESIGN.md, failure model)            |
-|----------------|-----------------------------------------|----------------------------------------------------------|
-| `drafter`      | the unit's model drafter actor          | rows decode target-only (same greedy output, degraded)   |
-|                |                                         | while Ray restarts it                                    |
-| `target_shard` | one tensor-parallel shard of the target | in-flight requests end with an error; the group rebuilds |
-| `policy`       | the app's policy actor                  | Ray restarts it; units restore their ledgers             |
-| `replica`      | a decoder replica (the whole unit)      | its requests end with a 503 (or an SSE error); Serve     |
-|                |                                         | starts another replica; the ingress closes their ledgers |
-
-Actors are found in the GCS actor table (`ray._private.state.actors()`: class name, pid, address), which
-works without Ray's dashboard; a unit's drafter and shards are the actors its replica owns.
+Actors are found in the GCS actor table (`ray._private.state.actors()`), which works without Ray's dashboard; a
+unit's drafter and shards are the actors its replica owns.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The served app under schemathesis: every route of its OpenAPI document, with schema-valid and schema-invalid
-data, and every answer checked against what the document declares.
+data, every answer checked against what the document declares.
 
-Per operation and generation mode (positive: data the schema allows; negative: data it forbids), Hypothesis
-draws `examples` cases (derandomized, so a run repeats) and schemathesis sends each and runs its checks:
-no 5xx (`not_a_server_error`), a declared status code, content type and headers, a body matching the
-declared schema (for SSE, each event), invalid data rejected with a 4xx, and, with API keys, that a route
-does not ignore them. One more check here reads every SSE event's `data` as the declared chunk (or `[DONE]`
-last). Left out: `positive_data_acceptance`, since a schema-valid prompt may still exceed the context window
-once tokenized (a 400 with code context_length_exceeded) and no schema can say so.
-
-`fuzz(url, ...)` returns a `FuzzReport`; the CI test runs a few hundred cases, `specserve bench --section
-reliability` a longer run. Nothing here knows Ray: leak checks after a run are the caller's.
+Checks: no 5xx, a declared status code, content type, headers and body schema, each SSE event's `data` as the
+declared chunk (or `[DONE]` last), invalid data rejected with a 4xx, API keys not ignored. Hypothesis draws
+`examples` cases per operation and mode, derandomized, so a run repeats. `fuzz(url, ...)` returns a
+`FuzzReport`; nothing here knows Ray (leak checks are the caller's). What is left unchecked: docs/reliability.md.
 """
 
 from __future__ import annotations

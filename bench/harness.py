@@ -1,17 +1,10 @@
 """In-process measurement: one `Engine`, one coordinator per mode, requests run one by one or in waves.
 
-A **mode** is what varies between measured runs on the same prompts: target-only, a fixed γ, adaptive γ, or an
-ASD arm. Each mode of a sweep gets a fresh `PolicyCore` that lives for the whole sweep (warm-up included), as a
-serving unit's policy actor lives across requests; so adaptive γ is measured in its steady state, not at its
-prior. The modes of a sweep are interleaved wave by wave, so load drift on a shared machine hits all alike.
-
-Timing. A request's **e2e** time is from submission to its last token (prefill included, what a user waits);
-its **decode** time is from the first token to the last. tokens/s of a run is Σ output tokens / Σ wave wall
-time (a wave is one request at concurrency 1, N requests submitted together at concurrency N), each wave's
-time the least over the repeats (`best_of`): on a shared machine other work only ever adds time, so the
-fastest repeat of a wave is its least disturbed measurement, and one disturbed wave no longer moves a ratio.
-Greedy outputs are the same in every repeat, so the tokens are too.
-Every round's `RoundRecord` is kept (single stream) for the α, c and v(γ) fit in `bench.speedup`.
+A **mode** is what varies between runs on the same prompts: target-only, a fixed γ, adaptive γ, or an ASD arm;
+each has its own `PolicyCore` for the whole sweep (warm-up included). The modes of a sweep are interleaved wave
+by wave. A request's **e2e** time runs from submission to its last token, its **decode** time from the first
+token to the last; a run's tokens/s is Σ output tokens / Σ wave time, each wave's time its fastest repeat
+(`best_of`). Every single-stream `RoundRecord` is kept for `bench.speedup`. Why: docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

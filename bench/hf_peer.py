@@ -1,13 +1,10 @@
 """The peer: Hugging Face transformers `generate` on the same model, prompts and machine, greedy.
 
-Modes: `plain` (no assistance), `prompt_lookup_3` and `prompt_lookup_10` (`prompt_lookup_num_tokens`), and
-`assistant` (`assistant_model`, a second copy of a model with the same vocabulary; here the only model at hand
-is the target itself, so that figure measures assisted generation's overhead at α ≈ 1, not a useful speedup).
-The model is the converted cache directory of the source (`actors.loading.resolve`), loaded by transformers
-itself, so HF runs its own modelling code, not ours.
-
-`generate` returns one call's new tokens and seconds (prefill included, like specserve's e2e figure);
-`bench.sections.hf_peer` interleaves the calls with specserve's own, prompt by prompt.
+Modes (`HF_MODES`): `plain`, `prompt_lookup_3` and `prompt_lookup_10` (`prompt_lookup_num_tokens`), and
+`assistant` (`assistant_model`: the target itself, the only model at hand with the same vocabulary, so it
+measures assisted generation's overhead at α ≈ 1). The model is the converted cache directory of the source
+(`actors.sources.resolve`), loaded by transformers itself, so HF runs its own modelling code, not ours.
+`generate` returns one call's new tokens and seconds, prefill included (like specserve's e2e figure).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The HTTP path: the real Serve app on a local Ray cluster, driven over `/v1/completions` with token-id prompts.
 
-One deployment per γ setting (adaptive, or `gamma.mode: fixed`); target-only decoding is the same deployment
-with the request extension `speculate: false`. Each deployment gets its own app name, so its policy actor
-(named per app) starts fresh. Autoscaling is switched off (one unit): the sweep measures what one unit does
-with concurrent requests, not how many units the autoscaler would add on two cores.
-
-At concurrency N, the prompts (cycled up to max(N, #prompts)) go out in waves of N requests sent together;
-aggregate tokens/s is Σ completion tokens / Σ wave wall time, latency is each request's response time.
-`measure_levels` interleaves the waves of several concurrency levels and repeats them, and takes each wave's
-fastest repeat (`bench.harness.best_of`), so a ratio between levels does not ride on load drift.
+One deployment per γ setting (adaptive, or `gamma.mode: fixed`), each under its own app name so its policy
+actor starts fresh; target-only is the same deployment with the request extension `speculate: false`.
+Autoscaling is off: one unit. At concurrency N, prompts go out in waves of N requests sent together; aggregate
+tokens/s is Σ completion tokens / Σ wave wall time, latency each request's response time. `measure_levels`
+interleaves the levels' waves and keeps each wave's fastest repeat (`bench.harness.best_of`).
 """
 
 from __future__ import annotations

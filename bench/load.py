@@ -1,5 +1,5 @@
 """HTTP load for the reliability section: greedy requests over `/v1/completions`, each classified by how it
-ended (see `bench.reliability` for what the four ends mean).
+ended (`bench.reliability` defines the outcomes).
 
 `run_load` sends them at a bounded concurrency through one `httpx.AsyncClient`; `send` never raises: a
 dropped connection is a "lost" outcome and a request past `request_timeout_s` + `HANG_SLACK_S` a "hung" one.

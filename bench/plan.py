@@ -1,17 +1,9 @@
-"""What a benchmark run measures and how much of it: the `quick` and `full` presets.
+"""What a benchmark run measures and how much of it: `BenchPlan`, and the `quick` and `full` presets (`PRESETS`).
 
-Sizes are chosen for the 2-core CPU this project develops on (one SmolLM2 decode step ≈ 30 ms at batch 1):
-`quick` stays under 6 minutes, `full` under 50, on a quiet machine. `quick` measures the summary's speed
-ratios only: it leaves out the `sampled` and `quality` sections (about 2.5 of its 10 minutes when it ran them;
-`--sections` adds them back), HF's plain `generate` (no ratio divides by it) and the ASD sweep beyond the
-config's arm. The quality section answers a task suite on every arm: full = 8 copy-heavy rewrites on the
-config's arms and two narrower gates; `--sections ...,quality --quick` = 2 HumanEval problems capped at 96
-tokens (a smoke test: too few problems for a quality figure).
-
-Trust. Every ratio compares modes interleaved wave by wave, and each wave's time is its fastest repeat
-(`harness.best_of`), so `quick` runs every measurement twice: one repeat cannot tell a disturbed wave from a
-slow mode (two quick runs with one repeat moved a ratio by up to 0.3). `python -m bench.compare`
-puts two runs' summaries side by side with their spread.
+`quick` measures the summary's speed ratios only: it leaves out the `sampled` and `quality` sections
+(`--sections` adds them back), HF's plain `generate` (no ratio divides by it) and the ASD sweep beyond the
+config's arm; `full` runs every section. Every measurement runs at least twice, since one repeat cannot tell a
+disturbed wave from a slow mode. The presets' sizes and running times: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -49,7 +41,7 @@ class BenchPlan(BaseModel):
     workloads: tuple[str, ...] = Field(WORKLOADS, description="Workloads, by name (bench.workloads).")
     prompts: int = Field(ge=1, description="Prompts per workload (sampled by seed).")
     max_tokens: int = Field(ge=1, description="max_tokens of every request (greedy; EOS may end it earlier).")
-    repeats: int = Field(ge=1, description="Repeats per measurement; the median is reported.")
+    repeats: int = Field(ge=1, description="Repeats per measurement (each wave counts its fastest, harness.best_of).")
     seed: int = Field(0, description="Seed of the prompt sample.")
     gammas: tuple[int, ...] = Field(description="Fixed γ sweep (0 is target-only decoding).")
     batched_concurrency: int = Field(16, ge=2, description="In-process concurrency of the γ-under-load sweep.")

@@ -1,15 +1,10 @@
-"""Latency under a long prefill: what a 1,500-token prompt does to the streams decoding beside it.
+"""Latency under a long prefill: what a long prompt does to the streams decoding beside it.
 
-`streams` requests decode target-only (γ = 0, so every round emits one token per stream and the gap between
-a stream's tokens is one round) on an in-process unit. Once each has emitted `warmup` tokens, a
-`long_tokens`-token prompt arrives. The **inter-token latency** (ITL) of the running streams is the gap
-between consecutive tokens of one stream; the p95 of the gaps that overlap the long prompt's prefill (its
-arrival to its first token) is compared with the p95 of every gap before it arrived (the steady state).
-Without chunked prefill the whole prompt is one forward, so one gap per stream holds the whole prefill; with
-`target.prefill_chunk_tokens` = C each round carries at most C prompt tokens. Goal: the ratio stays ≤ 2.
-
-Every setting runs on the same engine in the same process, one after the other and then again in reverse
-order, and each ratio compares windows of one run, so other load on the machine cancels out as far as it can.
+`streams` target-only requests (γ = 0: one token per stream per round) decode on an in-process unit; once each
+has emitted `warmup` tokens a `long_tokens`-token prompt arrives. The **inter-token latency** (ITL) is the gap
+between consecutive tokens of one stream; the ratio compared with `GOAL_RATIO` is the p95 of the gaps that
+overlap the long prompt's prefill (its arrival to its first token) over the p95 of the gaps before it arrived.
+`compare` runs each `target.prefill_chunk_tokens` setting on one engine, in order and then in reverse.
 """
 
 from __future__ import annotations

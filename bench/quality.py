@@ -1,17 +1,15 @@
 """Task quality per arm: the bench's `quality` section and the (g, M, B) grid that chooses the default ASD arm.
 
-Token agreement with exact greedy output is the wrong yardstick for ASD: the ASD paper's outputs diverge from
-exact ones on most GSM8K problems while accuracy holds. So the bench also runs `specserve eval`
-(`experiments.eval`) in-process: a task suite answered by every arm, interleaved problem by problem,
-scored by the suite's tests, compared with the exact reference arm paired by problem (score difference with a
-95% paired-bootstrap CI, McNemar's exact p, tokens/s ratio with its CI).
+Both run `specserve eval` (`experiments.eval`) in-process: a task suite answered by every arm, scored by its
+tests and compared with the exact reference arm paired by problem (why task quality rather than agreement with
+exact output: docs/experiments.md).
 
 - `quality_section(config, ...)`: the bench section (the config's arms plus the plan's extra ASD settings);
   `summary_entry(section)` is the summary key `asd_quality_delta`, `markdown(section)` the report's part.
 - `grid_config(config, settings)`: the config with its exact reference arm and one ASD arm per setting,
   named by the setting's label (`g2_M2_B8`).
 - `python -m bench.quality CONFIG --suite S --limit N --out DIR [--settings g2_M2_B8,...]
-  [--torch-threads 1]`: the grid run behind docs/benchmarks.md (resumable: rerun the same command).
+  [--torch-threads 1]`: the grid run (resumable: rerun the same command).
 """
 
 from __future__ import annotations

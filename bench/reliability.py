@@ -1,6 +1,5 @@
-"""Load with faults injected: N greedy requests at concurrency C over HTTP, mixed prompt and output lengths,
-streamed and not, on both arms, while the drafter actor, a target shard, the policy actor and a decoder
-replica's process are each killed once (`bench.faults`).
+"""Load with faults injected (`specserve bench --section reliability`): greedy requests over HTTP, mixed prompt and
+output lengths, streamed and not, on both arms, while each fault of `bench.faults` strikes once.
 
 Every request ends one of four ways:
 - **completed**: a 200 with the whole completion (a stream with its finish chunk and `[DONE]`); **degraded**
@@ -8,11 +7,8 @@ Every request ends one of four ways:
 - **errored**: a clean error answer: a 4xx/5xx with OpenAI's error body, or an SSE error event then `[DONE]`;
 - **lost**: an unclean end (connection dropped, a stream without `[DONE]`, a 5xx without an error body);
 - **hung**: no end within `request_timeout_s` + `HANG_SLACK_S`.
-
-Checked as well: every completed exact-arm request equals the target-only greedy output of its prompt (taken
-before any fault), every ledger in the export stayed within its budget, each fault's time until a probe
-request is answered again, and that no request, KV sequence (target and drafter) or ledger is left once the
-load ends. Goals: 0 lost, 0 hung, 0 mismatches, 0 over budget, 0 leaks, every recovery ≤ `RECOVERY_GOAL_S`.
+Also checked: exact-arm outputs equal the target-only greedy ones, no ledger over budget, each fault's time to
+recover (≤ `RECOVERY_GOAL_S`), and nothing left after the load. The promises: docs/reliability.md.
 """
 
 from __future__ import annotations

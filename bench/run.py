@@ -1,11 +1,10 @@
 """`specserve bench [--quick] [--out DIR] [--resume] [--sections S,...] [--skip S,...] [CONFIG]`: the benchmark suite.
 
-Writes `DIR/results.json` (top-level `summary`, `goals`, `sections`, `meta`), `DIR/report.md` and PNG plots.
-Progress goes to stderr. Each section is stored under `DIR/sections/` as soon as it finishes; `--resume`
-reuses stored sections of the same plan, so an interrupted run continues where it stopped. A single-stream
-section in which more than 2% of rounds stalled (another process took the CPU) is measured again, twice at most.
-
-All figures are ratios measured side by side in one process on one machine (DESIGN.md, performance model).
+Writes `DIR/results.json` (top-level `summary`, `goals`, `sections`, `meta`), `DIR/report.md` and PNG plots;
+progress goes to stderr. Each section is stored under `DIR/sections/` as soon as it finishes; `--resume`
+reuses stored sections of the same plan and config. A single-stream section with more than `STALL_TOLERANCE`
+of its rounds stalled is measured again, `STALL_RETRIES` times at most. Every figure is a ratio of modes
+measured side by side in one process.
 """
 
 from __future__ import annotations

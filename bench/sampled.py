@@ -1,17 +1,12 @@
 """Bench section `sampled`: the relaxed rule for sampled requests (`asd.sampled: relaxed`) against exact
 speculative sampling, in-process, on the same prompts, interleaved.
 
-Requests sample at `TEMPERATURE` (1, the OpenAI API's default), unseeded, so γ is adaptive as in serving.
-Modes, each with its own policy over the bench's engine and drafter:
-- `exact`: the exact arm: speculative sampling, the reference;
-- `fallback`: the config's first ASD arm as configured (`asd.sampled: exact`): verifies exactly, so it
-  measures the same thing as `exact` and shows the noise of the comparison;
-- `relaxed_<label>`: that arm's (g, M, B) with the relaxed rule, and `LOOSE`, whose budget never binds, as the
-  most the rule can give with this drafter.
-
-Per mode: tokens/s (median over repeats), acceptance, mean accepted length, regret spent per request (nats: the
-likelihood-ratio budget of docs/asd-sampled.md) and relaxed tokens; per relaxed mode its ratio to `exact`.
-Speed only: sampled outputs differ by design, so quality is measured by `specserve eval`, not here.
+Requests sample at `TEMPERATURE`, unseeded, so γ is adaptive as in serving. Modes (`modes`), each with its own
+policy over the bench's engine and drafter: `exact` (the reference), `fallback` (the config's first ASD arm as
+configured: verified exactly, so it shows the comparison's noise), `relaxed_<label>` (that arm with the relaxed
+rule) and `LOOSE` (a budget that never binds). Per mode: tokens/s (median over repeats), acceptance, mean
+accepted length, regret spent per request (nats, docs/asd-sampled.md) and relaxed tokens; per relaxed mode its
+ratio to `exact`. Speed only: quality is `specserve eval`'s.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The benchmark's sections. Each measures one thing and returns a JSON-able dict; `run.py` stores each as it
-finishes, so an interrupted run resumes where it stopped.
+finishes.
 
 - `single_stream`: per workload at concurrency 1: target-only, the fixed-γ sweep, adaptive γ; identical-token
   check against target-only; α, c, v(γ) and the predicted speedup of every mode (`bench.speedup`).
-- `batched`: the same sweep at concurrency N (γ under load, issue 5).
+- `batched`: the same sweep at concurrency N (γ under load).
 - `asd`: ASD arms against exact verification: tokens/s, accepted length, regret spent, divergence.
 - `hf_peer`: Hugging Face `generate` on the same prompts.
 - `http`: the concurrency sweep through the Serve app.

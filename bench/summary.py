@@ -1,9 +1,9 @@
-"""The `summary` of results.json and the goals it is judged against, with the reason for every miss.
+"""The `summary` of results.json and the goals it is judged against (`GOALS`), with the reason for every miss.
 
-Each summary value is a number or {workload: number}, except `asd_quality_delta`: {ASD arm: {delta, ci95,
-mcnemar_p, n, speed_ratio, settings, suite, reference}} from the quality section (task score difference to the
-exact arm, `bench.quality`). A goal on a per-workload value must hold on every workload. Reasons are built from the measured quantities (α, v(γ), round-time shares, engine speeds), so a
-missed goal says what the measurement shows rather than what we hoped.
+Each summary value (`SUMMARY_KEYS`) is a number or {workload: number}, except `asd_quality_delta`: {ASD arm:
+{delta, ci95, mcnemar_p, n, speed_ratio, settings, suite, reference}} from the quality section. A goal on a
+per-workload value must hold on every workload. Reasons are built from the measured quantities (α, v(γ),
+round-time shares, engine speeds), so a missed goal says what the measurement shows.
 """
 
 from __future__ import annotations

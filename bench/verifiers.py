@@ -5,8 +5,7 @@
 Inputs are random logits with a draft that matches the target argmax on about half its positions (and a
 near miss at position 1 for ASD), so every verifier runs its whole path. `*_scores` variants time the
 compact path alone (what the policy actor runs on `TargetScores` shipped by the target); `compact_scores` is
-the one pass over the vocabulary. Goal (2-core CPU): verify_greedy and verify_asd ≤ 1 ms at B = 8, K = 8.
-Imports only `policies`.
+the one pass over the vocabulary. Imports only `policies`.
 """
 
 from __future__ import annotations

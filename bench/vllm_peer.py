@@ -1,31 +1,12 @@
 """`specserve bench --section vllm [--quick] [--out DIR] [CONFIG]`: specserve on the vLLM engine against vLLM's own
 OpenAI server, on the same weights, dtype, engine settings and prompts.
 
-Servers, each in its own process, in two groups (all seven at once do not fit in 24 GiB of memory); only the
-one being measured is busy:
-- specserve: `specserve serve` on CONFIG (a `target.engine: vllm` config, default configs/local-vllm.yaml), both
-  arms (exact, asd) through the `X-SpecServe-Arm` header, adaptive γ. It serves through both groups.
-- group `ngram`: vLLM plain and vLLM's own `ngram` speculation at k = 2, 4 and 8 (its default n-gram window),
-  each `python -m vllm.entrypoints.openai.api_server` with the engine keywords of CONFIG's
-  `target.engine_kwargs`;
-- group `suffix`: specserve with `drafter.kind: suffix` (a second `specserve serve` in a Ray cluster of its own,
-  exact arm; left out when CONFIG's drafter already is the suffix drafter) and vLLM's `suffix` method
-  (SuffixDecoding; it needs the `arctic-inference` package, and without it this group is left out and the
-  report says so).
-
-Suffix drafting on both sides drafts from the request's own prompt and output only: the cross-request caches
-(vLLM's `suffix_decoding_max_cached_requests`, specserve's `drafter.suffix_cache_tokens`) are off, because every
-repeat sends the same prompts again and a cache of earlier outputs would replay them (a benchmark artefact, not a
-drafter's skill). vLLM's other suffix settings are its defaults (draft up to 24 tokens, tree depth 24).
-
-Every server gets the same greedy `/v1/completions` requests (token-id prompts from the benchmark workloads)
-in waves of N requests sent together (N = 1 and 8). Within a group, a repeat measures every (workload, load,
-target) once, the target order rotating between repeats; a cell's tokens/s is Σ completion tokens / Σ wave wall
-time of its fastest repeat, and every ratio divides two cells of one group. Summary keys: `vs_vllm`
-(specserve's exact arm / the best vLLM configuration for that workload and load, chosen after the fact, suffix
-included), `vs_vllm_suffix` (specserve's suffix drafter / vLLM's suffix method, both exact greedy on the same
-engine: drafter against drafter) and `vllm_asd_vs_exact` (the asd arm / the exact arm). vLLM counts the stop
-token in `completion_tokens` and specserve does not, which favours vLLM by up to one token a request.
+Each server runs in its own process, in two groups (`GROUPS`), only the one being measured busy: specserve
+(`specserve serve` on a `target.engine: vllm` CONFIG, default configs/local-vllm.yaml, both arms), the `ngram`
+group (vLLM plain and its `ngram` speculation, `VLLM_PEERS`) and the `suffix` group (specserve's suffix drafter
+against vLLM's `suffix` method, left out without the `arctic-inference` package). Cross-request suffix caches
+are off on both sides. Requests are greedy token-id prompts in waves of N; every ratio divides two cells of one
+group. Summary keys `vs_vllm`, `vs_vllm_suffix`, `vllm_asd_vs_exact`: docs/benchmarks.md.
 """
 
 from __future__ import annotations

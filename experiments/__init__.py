@@ -1,2 +1,5 @@
-"""Experiments: A/B arm routing (`ab`), the quality audit (`audit`), the A/B report (`report`) and task-suite
-evaluation (`eval`)."""
+"""Experiments: the A/B report (`ab_report`, `specserve ab report`) with which verification ran per arm
+(`verification_share`), and task-suite evaluation (`eval`, `specserve eval`). Instruments: they read what the
+serving path (cluster/serving: arm routing, the audit) records; nothing in the product imports them.
+Methods: docs/experiments.md.
+"""

@@ -1,36 +1,15 @@
 """`specserve ab report`: per-arm figures of an A/B experiment and each arm's difference from the reference.
 
-Input is the telemetry hub's export (`cluster.observability.telemetry.TelemetryHub.export`, schema `specserve.export/v1`),
-fetched from a running service at `GET {url}/v1/specserve/export` or read from a saved JSON file.
+Input is the telemetry hub's export (schema `specserve.export/v1`), fetched from a running service at
+`GET {url}/v1/specserve/export` or read from a saved JSON file; `--eval` adds a `specserve eval` result's task
+quality per arm (`experiments.eval.report.quality_section`). Per arm, over requests that finished normally:
+speed (`COMPARED`), acceptance, regret, which verification ran (`experiments.verification_share`) and the audit
+(`cluster.serving.audit.summarize`); per arm other than the reference, `arm − reference` of each statistic in
+`COMPARED` with a 95% percentile-bootstrap interval (`--resamples`, seeded by `--seed`). Methods:
+docs/experiments.md.
 
-Per arm, over requests that finished normally (finish_reason "stop" or "length"; aborted and failed ones
-are only counted):
-- requests; output tokens/s per request (output_tokens / latency), TTFT and time per output token
-  (mean, p50, p95);
-- acceptance rate = Σ accepted / Σ drafted and mean accepted length = Σ accepted / Σ rounds (ratios of sums,
-  as `usage.speculative` defines them per request);
-- regret spent (total and mean per request), ledger exhaustions, degraded requests;
-- which verification ran (`experiments.verification_share`): the share of the arm's requests its own
-  verification ran on, fallbacks by reason, and the ledger spend of sampled requests verified by ASD;
-- the quality audit (`cluster.serving.audit.summarize`) of the arm's audited (greedy) requests.
-
-Warnings come first (text) and in `warnings` (JSON): an arm that ran its reference arm's verification on most
-of its requests, e.g. an ASD arm whose requests were sampled and so verified exactly.
-
-Differences: for each arm other than the reference (`--reference`, else the export's first arm, which is
-the config's first), `arm − reference` of each compared statistic with a 95% percentile-bootstrap confidence
-interval: each arm's requests are resampled with replacement independently (`--resamples`, default 2000,
-numpy generator seeded by `--seed`), the statistic recomputed on both, and the 2.5th and 97.5th percentiles
-of the differences reported. An interval that excludes 0 is a difference the data support.
-
-Quality (`--eval DIR|results.json`, a `specserve eval` result): per arm, the task score difference to the
-eval's reference in points and the tokens/s ratio, each with its 95% paired-bootstrap CI, and McNemar's p
-(`experiments.eval.report.quality_section`), shown after the speed figures (`--json`: key
-`quality`). With `--eval` and neither `--url` nor `--file`, the report is the quality section alone.
-
-Hooks for the CLI: `add_parser(subparsers)` registers `report` under the `ab` command (sets `func=run`);
-`main(argv)` parses the arguments after `ab report` and returns the exit status. `build_report(export)` is the
-pure computation (JSON-able dict; `--json` prints it).
+`build_report(export)` is the pure computation (a JSON-able dict; `--json` prints it); `add_parser(subparsers)`
+registers `report` under `specserve ab`; `main(argv)` parses the arguments after `ab report`.
 """
 
 from __future__ import annotations

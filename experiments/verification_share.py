@@ -1,23 +1,13 @@
 """Which verification ran on each arm's requests, and the warnings the A/B report puts at its top.
 
-An ASD arm verifies its greedy requests by ASD. Its sampled requests (temperature > 0, the OpenAI API's
-default) are verified exactly unless the arm sets `asd.sampled: relaxed`; such a request **fell back**
-(`usage.speculative.asd_fallback` = "sampled"). An A/B test whose ASD arm fell back on most of its requests
-compares exact verification with exact verification: its differences measure noise, not ASD.
-
-Terms, per arm, over all its requests in the export:
-- **own verification share**: the share of requests the arm's own verification (`arm_verification`) ran on;
-- **ran the reference's verification**: the share that ran the reference arm's own verification instead.
-  When that share is above `MOST` for an arm whose own verification differs from the reference's, the report
-  warns.
-- **sampled ASD spend**: for sampled requests an arm verified with the relaxed rule, the ledger spend. The
-  audit replays greedy requests only (a sampled output differs from any replay by chance); the budget bounds
-  how much likelier such an output is than under the target (at most e^spent times, docs/asd-sampled.md), and
-  its task quality is measured by `specserve eval`.
-
-Export rows (`cluster.observability.telemetry.request_row`) carry `verification` (what ran),
-`arm_verification`, `asd_fallback` and `sampled`. Rows of an older export carry only `verification`, which
-was the arm's own: there what ran is unknown, and the share is None.
+Per arm, over its export rows (`cluster.observability.telemetry.request_row`: `verification` = what ran,
+`arm_verification`, `asd_fallback`, `sampled`):
+- **own verification share**: the share of requests the arm's own verification ran on;
+- **ran the reference's verification**: the share that ran the reference arm's verification instead; above
+  `MOST`, for an arm whose own verification differs from the reference's, the report warns (its differences
+  would measure noise, not ASD);
+- **sampled ASD spend**: the ledger spend of sampled requests the arm verified with the relaxed rule.
+Rows of an older export carry only `verification`: there what ran is unknown, and the share is None.
 """
 
 from __future__ import annotations

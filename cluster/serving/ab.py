@@ -1,18 +1,13 @@
 """A/B assignment: which **arm** (verification setting) serves a request.
 
-An arm is chosen in this order:
-1. **forced**: the request header `x-specserve-arm: NAME` names it (audits, debugging); an unknown name is an
-   error (`UnknownArmError`, a ValueError the ingress turns into a 400);
-2. **sticky**: when the request carries a `user`, a stable hash of (salt, user) picks the arm, so one user
-   always sees one arm for a given salt and arm list (SHA-256, never Python's per-process `hash`);
+`ArmRouter.assign(user, forced)` chooses, in this order:
+1. **forced**: the request header `ARM_HEADER` (`x-specserve-arm: NAME`); an unknown name raises
+   `UnknownArmError` (a ValueError the ingress turns into a 400);
+2. **sticky**: with a `user`, a stable SHA-256 hash of (salt, user) (`stable_unit_interval`), so one user
+   always sees one arm for a given salt and arm list;
 3. **random** by weight otherwise.
-
-Both 2 and 3 map a uniform number u in [0, 1) onto the cumulative normalised weights, so an arm with weight w
-gets a share w / Σw of users (sticky) or requests (random). Changing the salt reshuffles users; changing the
-weights moves only the users whose u falls in the moved boundaries.
-
-The ingress echoes the chosen arm in the response header `ARM_RESPONSE_HEADER` and in
-`usage.speculative.arm`.
+Both 2 and 3 map a uniform u in [0, 1) onto the cumulative normalised weights: an arm with weight w gets a share
+w / Σw. The ingress echoes the chosen arm in `ARM_RESPONSE_HEADER` and in `usage.speculative.arm`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
-"""Quality audit: replay a fraction of ASD requests on the exact reference arm and compare the outputs.
+"""Quality audit: replay a sample of greedy ASD requests on the exact reference arm and compare the outputs.
 
-Approximate verification (ASD) may keep a draft token that differs from the target's greedy choice when its
-**regret** (target logit of the greedy token minus that of the kept token) passes the gate and the budgets. Its
-authors recommend checking, per deployment, how far such outputs drift from exact greedy decoding. The audit
-decodes a sample of ASD requests again on an exact arm and records, per request:
-
-- **exact match**: the two token sequences are identical;
-- **common prefix**: tokens agreeing from the start, before the first divergence;
-- **edit distance**: token-level Levenshtein distance (insertions, deletions, substitutions, cost 1 each);
-- the request's **regret spent**, so divergence can be read against it.
-
-Only **greedy** ASD requests qualify (`AuditSampler`): ASD is a greedy-only method, and the exact greedy
-replay is deterministic, so every difference is caused by a relaxed token; a sampled request would differ from
-any replay by chance alone. A request that spent no regret must match exactly (up to batch numerics).
-
-Who calls what: the ingress asks `AuditSampler.should_audit(...)` when an ASD response finishes, and hands the
-replay to `AuditRunner.submit(...)`, which runs it in the background (bounded by `max_pending`) and passes the
-`AuditRecord` to a sink (the telemetry hub). `summarize(records)` gives the report's per-arm figures.
+Per audited request an `AuditRecord`: **exact match** (identical token sequences), **common prefix** (tokens
+agreeing before the first divergence), **edit distance** (token-level Levenshtein, cost 1 per edit) and the
+request's **regret spent**. Only greedy ASD requests qualify (`AuditSampler`): the exact greedy replay is
+deterministic, so every difference comes from a relaxed token, and a request that spent no regret must match
+(up to batch numerics). The ingress asks `AuditSampler.should_audit(...)` when an ASD response finishes and hands
+the replay to `AuditRunner.submit(...)`, which runs it in the background (at most `max_pending`) and passes the
+record to a sink (the telemetry hub); `summarize(records)` gives the A/B report's per-arm figures.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Where completions come from: a running specserve service over HTTP, or a unit built in this process.
 
-An `EvalBackend` answers one `CompletionRequest` (a suite's prompt, forced onto one arm, greedy unless
-the prompt carries a temperature and seed) with a
-`Completion`: the text, the output token count, the wall-clock seconds of the request and the
-`usage.speculative` object (arm, rounds, draft/accepted tokens, acceptance rate, regret on ASD arms).
-
-- `HTTPBackend(url, model)`: the real `openai` client against `{url}/v1`, the arm forced by the
-  `x-specserve-arm` request header (`extra_headers`) and checked against the same response header. The
-  service's reachability is checked when the backend is made (`GET /v1/models`, which also names the model).
-- `InProcessBackend(config)`: one unit (coordinator, drafter, target, a local policy core) built from a config
-  and kept for the whole run, as `specserve generate` builds one per prompt. `_build_project_unit` is the one
-  function that knows the project's module layout.
-
-Errors: `BackendError` is one failed request (the runner records it and goes on); `BackendUnavailable` means
-the service cannot be reached at all (the runner stops; rerunning resumes). An unknown arm is a `ValueError`.
+An `EvalBackend` answers one `CompletionRequest` (a suite's prompt, forced onto one arm, greedy unless the prompt
+carries a temperature and seed) with a `Completion`: text, output token count, wall-clock seconds and the
+`usage.speculative` object.
+- `HTTPBackend(url, model)`: the `openai` client against `{url}/v1`, the arm forced by the `x-specserve-arm`
+  header and checked against the response's; reachability is checked when it is made (`GET /v1/models`).
+- `InProcessBackend(config)`: one unit built from a config and kept for the whole run (`_build_project_unit`
+  is the one function that knows the project's module layout).
+Errors: `BackendError` is one failed request (the runner records it and goes on); `BackendUnavailable` means the
+service cannot be reached (the runner stops); an unknown arm is a `ValueError`.
 """
 
 from __future__ import annotations

@@ -4,13 +4,11 @@
     specserve eval --url URL   --suite humaneval-rewrite --arms exact,asd [--limit N]       (a running service)
     specserve eval --out DIR   --report-only                                                 (rebuild the report)
 
-Progress goes to stderr, one line per answer. Rows are saved as they come (`DIR/rows.jsonl`); running the same
-command again resumes. At the end `DIR/results.json`, `DIR/report.md` and `DIR/frontier.png` are written and
-the quality table is printed. Exit status: 0 done; 1 stopped by failing requests (rerun to resume); 2 bad
-input (unknown suite or arm, unreachable URL, bad arguments); 130 interrupted.
-
-Wiring into `cluster.cli`: `add_parser(commands)` registers `eval` (the namespace's `handler` and `func`
-are `run`); `main(argv)` runs it on its own.
+Progress goes to stderr; rows are saved as they come and rerunning the same command resumes. Writes
+`DIR/results.json`, `DIR/report.md`, `DIR/frontier.png` and prints the quality table. Exit status: 0 done; 1
+stopped by failing requests (rerun to resume); 2 bad input (unknown suite or arm, unreachable URL, bad
+arguments); 130 interrupted. `add_parser(subparsers)` registers `eval` (`handler` = `run`); `main(argv)` runs it
+on its own.
 """
 
 from __future__ import annotations

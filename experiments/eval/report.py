@@ -1,20 +1,13 @@
 """The eval's results: per-arm figures, paired differences against the reference arm, and the frontier plot.
 
-Per arm, over the problems it answered: mean score (the pass rate on binary suites), output tokens/s as a
-ratio of sums (Σ output tokens / Σ request seconds, so long answers weigh by their length), the mean of
-per-request tokens/s, acceptance rate (Σ accepted / Σ drafted) and mean accepted length (Σ accepted /
-Σ rounds) from `usage.speculative`, regret spent per request (ASD arms).
+Per arm: mean score, output tokens/s as a ratio of sums (Σ output tokens / Σ request seconds) and the mean of
+per-request tokens/s, acceptance rate, mean accepted length, regret spent per request. Per arm other than the
+reference, over the problems both answered (`stats`): `score` (mean difference, 95% paired-bootstrap interval),
+`mcnemar` (discordant counts b, c and the exact p, binary suites) and `speed` (tokens/s ratio with its interval).
 
-Per arm other than the reference, over the problems both answered (`stats` for the methods):
-- `score`: mean(arm − reference) with its 95% paired-bootstrap interval;
-- `mcnemar`: discordant counts b, c and the exact two-sided p-value (binary suites);
-- `speed`: the tokens/s ratio arm / reference with its 95% paired-bootstrap interval.
-
-`results.json` (schema `specserve.eval/v1`), `report.md` and `frontier.png` (x: tokens/s relative to the
-reference, y: score difference in points, one point per arm with both intervals as bars; the non-dominated
-arms are joined) are written by `write_outputs`. For other reports: `quality_section` (rows and markdown for
-the A/B report), `asd_quality_delta` (the bench's summary entry) and `read_eval_report` (results.json from a
-file or an output directory).
+`write_outputs` writes `results.json` (schema `specserve.eval/v1`), `report.md` and `frontier.png`; for other
+reports: `quality_section` (the A/B report's), `asd_quality_delta` (the bench's summary entry) and
+`read_eval_report` (results.json from a file or an output directory).
 """
 
 from __future__ import annotations

