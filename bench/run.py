@@ -54,15 +54,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` on the `specserve` subparsers; the namespace's `handler` is `run_command`."""
-    parser = subparsers.add_parser("bench", help="the benchmark suite (docs/benchmarks.md)",
-                                   description=__doc__.split("\n\n")[0])
-    configure_parser(parser)
-    parser.set_defaults(handler=run_command)
-    return parser
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The arguments after `bench`, parsed; `argv` (the command line after `specserve`) is kept for the meta."""
     parser = configure_parser(argparse.ArgumentParser(prog="specserve bench", description=__doc__.split("\n\n")[0]))

@@ -8,9 +8,10 @@
     specserve [-v] bench ...           (bench.run)
     specserve [-v] eval ...            (experiments.eval.cli)
 
-One argparse parser; the instruments register their own subcommands (`add_parser`). Every subcommand's
-namespace carries `handler(args) -> exit status` and `argv`, the command line after `specserve`. This is the one
-product module that imports the instruments (bench/, experiments/), and no module imports it.
+One argparse parser. An instrument declares its arguments (`configure_parser(parser)`) and this module mounts
+them as a subcommand (`_instrument`). Every subcommand's namespace carries `handler(args) -> exit status` and
+`argv`, the command line after `specserve`. This is the one product module that imports the instruments
+(bench/, experiments/), and no module imports it.
 
 Ray 2.60 turns token authentication on for a local cluster it starts and writes the token to
 ~/.ray/auth_token; `serve` and `status` work with it as is (set RAY_AUTH_MODE=disabled to opt out, loopback
@@ -275,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ab = commands.add_parser("ab", help="A/B experiments: `specserve ab report --help`")
     ab.set_defaults(handler=lambda _: _print_help(ab))  # `specserve ab` alone lists its subcommands
-    ab_report.add_parser(ab.add_subparsers(dest="ab_command"))
+    _instrument(ab.add_subparsers(dest="ab_command"), "report", ab_report, ab_report.run,
+                "per-arm figures and differences with bootstrap CIs")
 
     k8s = commands.add_parser("render-k8s", help="render a KubeRay RayService manifest from a config")
     k8s.add_argument("config")
@@ -283,8 +285,17 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--out", default=None)
     k8s.set_defaults(handler=cmd_render_k8s)
 
-    bench_run.add_parser(commands)
-    eval_cli.add_parser(commands)
+    _instrument(commands, "bench", bench_run, bench_run.run_command, "the benchmark suite (docs/benchmarks.md)")
+    _instrument(commands, "eval", eval_cli, eval_cli.run,
+                "score a task suite per arm (quality vs speed, paired statistics)")
+    return parser
+
+
+def _instrument(commands, name: str, module, handler, help: str) -> argparse.ArgumentParser:
+    """Subcommand `name`, whose arguments `module.configure_parser` declares and whose handler is `handler`."""
+    parser = commands.add_parser(name, help=help, description=module.__doc__.split("\n\n")[0])
+    module.configure_parser(parser)
+    parser.set_defaults(handler=handler)
     return parser
 
 

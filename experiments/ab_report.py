@@ -8,8 +8,9 @@ speed (`COMPARED`), acceptance, regret, which verification ran (`experiments.ver
 `COMPARED` with a 95% percentile-bootstrap interval (`--resamples`, seeded by `--seed`). Methods:
 docs/experiments.md.
 
-`build_report(export)` is the pure computation (a JSON-able dict; `--json` prints it); `add_parser(subparsers)`
-registers `report` under `specserve ab`; `main(argv)` parses the arguments after `ab report`.
+`build_report(export)` is the pure computation (a JSON-able dict; `--json` prints it). `configure_parser(parser)`
+declares the arguments (`cluster.cli` mounts them as `specserve ab report`), `run(args)` runs them, and
+`main(argv)` parses the arguments after `ab report`.
 """
 
 from __future__ import annotations
@@ -291,15 +292,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help="bootstrap resamples (default %(default)s)")
     parser.add_argument("--reference", help="reference arm (default: the first arm of the export)")
     parser.add_argument("--timeout", type=float, default=30.0, help="HTTP timeout in seconds")
-    return parser
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `report` on the `ab` command's subparsers; the parsed namespace's `handler` (and `func`) is `run`."""
-    parser = subparsers.add_parser("report", help="per-arm figures and differences with bootstrap CIs",
-                                   description=__doc__.split("\n\n")[0])
-    configure_parser(parser)
-    parser.set_defaults(handler=run, func=run)
     return parser
 
 

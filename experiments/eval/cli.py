@@ -7,8 +7,8 @@
 Progress goes to stderr; rows are saved as they come and rerunning the same command resumes. Writes
 `DIR/results.json`, `DIR/report.md`, `DIR/frontier.png` and prints the quality table. Exit status: 0 done; 1
 stopped by failing requests (rerun to resume); 2 bad input (unknown suite or arm, unreachable URL, bad
-arguments); 130 interrupted. `add_parser(subparsers)` registers `eval` (`handler` = `run`); `main(argv)` runs it
-on its own.
+arguments); 130 interrupted. `configure_parser(parser)` declares the arguments (`cluster.cli` mounts them as
+`specserve eval`), `run(args)` runs them, and `main(argv)` parses them on its own.
 """
 
 from __future__ import annotations
@@ -48,15 +48,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (default %(default)s)")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from DIR/rows.jsonl")
-    return parser
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `eval` on the `specserve` subparsers."""
-    parser = subparsers.add_parser("eval", help="score a task suite per arm (quality vs speed, paired statistics)",
-                                   description=__doc__.split("\n\n")[0])
-    configure_parser(parser)
-    parser.set_defaults(handler=run, func=run)
     return parser
 
 

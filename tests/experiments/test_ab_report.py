@@ -1,6 +1,5 @@
 """A/B report on a synthetic export built by the real hub: figures, bootstrap CIs, JSON shape, CLI hooks."""
 
-import argparse
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -12,7 +11,7 @@ from actors.stats import RequestRecord
 from cluster.config import TelemetrySettings
 from cluster.observability.telemetry import TelemetryHub
 from cluster.serving.audit import compare
-from experiments.ab_report import COMPARED, EXPORT_PATH, add_parser, build_report, main, render_text
+from experiments.ab_report import COMPARED, EXPORT_PATH, build_report, main, render_text
 
 
 def synthetic_export(n=200, seed=0):
@@ -127,14 +126,12 @@ def test_empty_export():
     assert "no requests" in render_text(report)
 
 
-def test_add_parser_hook(export, tmp_path, capsys):
+def test_specserve_ab_report_runs_through_the_cli(export, tmp_path, capsys):
+    from cluster.cli import main as specserve
+
     path = tmp_path / "export.json"
     path.write_text(json.dumps(export))
-    cli = argparse.ArgumentParser(prog="specserve")
-    ab = cli.add_subparsers(dest="command").add_parser("ab").add_subparsers(dest="ab_command")
-    add_parser(ab)
-    args = cli.parse_args(["ab", "report", "--file", str(path), "--json", "--resamples", "50"])
-    assert args.func(args) == 0
+    assert specserve(["-v", "ab", "report", "--file", str(path), "--json", "--resamples", "50"]) == 0
     assert json.loads(capsys.readouterr().out)["reference"] == "exact"
 
 

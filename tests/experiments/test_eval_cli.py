@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from experiments.eval.backends import BackendUnavailable, CompletionRequest, HTTPBackend
-from experiments.eval.cli import add_parser, main
+from experiments.eval.cli import main
 from experiments.eval.suites import EvalPrompt, load_suite
 
 PLUGIN = '''
@@ -206,15 +206,15 @@ def test_unreachable_backend_error_type():
         HTTPBackend(f"http://127.0.0.1:{_free_port()}")
 
 
-def test_add_parser_registers_eval_with_a_handler():
-    import argparse
+def test_specserve_eval_parses_into_run():
+    from cluster.cli import build_parser
+    from experiments.eval.cli import run
 
-    parser = argparse.ArgumentParser(prog="specserve")
-    add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["eval", "c.yaml", "--suite", "humaneval-rewrite", "--arms", "exact,asd", "--limit", "5"])
+    args = build_parser().parse_args(["eval", "c.yaml", "--suite", "humaneval-rewrite", "--arms", "exact,asd",
+                                      "--limit", "5"])
     assert (args.command, args.config, args.suite, args.arms, args.limit) == ("eval", "c.yaml", "humaneval-rewrite",
                                                                               "exact,asd", 5)
-    assert args.handler is args.func and callable(args.handler)
+    assert args.handler is run
     assert load_suite("humaneval-rewrite").name == "humaneval-rewrite"
 
 
