@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "serving"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "cluster" / "serving"))
 from served_app import served_app  # noqa: E402
 from tests.cluster.serving.test_http import tiny_config  # noqa: E402
 
