@@ -28,6 +28,9 @@ COPY --chown=1000:100 pyproject.toml README.md ./
 COPY --chown=1000:100 policies ./policies
 COPY --chown=1000:100 actors ./actors
 COPY --chown=1000:100 cluster ./cluster
+# bench and experiments: `specserve bench`, `specserve eval` and `specserve ab report` (the CLI registers them)
+COPY --chown=1000:100 bench ./bench
+COPY --chown=1000:100 experiments ./experiments
 COPY --chown=1000:100 configs ./configs
 
 # The project and its dependencies (ray[serve] is already the base image's), then the embedded model's wheel:

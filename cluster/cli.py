@@ -1,12 +1,17 @@
 """`specserve`: serve a config, generate once in-process, inspect a running cluster, A/B reports, k8s, benches.
 
-    specserve serve CONFIG [--host 127.0.0.1] [--port 8000]
-    specserve generate CONFIG --prompt TEXT [--chat] [--max-tokens N] [--arm NAME] [--no-speculation] [--json]
-    specserve status
-    specserve ab report ...            (cluster.experiments.report)
-    specserve render-k8s CONFIG [--image IMAGE] [--out PATH]
-    specserve bench ...                (cluster.bench.run)
-    specserve eval ...                 (cluster.experiments.eval.cli)
+    specserve [-v] serve CONFIG [--host 127.0.0.1] [--port 8000]
+    specserve [-v] generate CONFIG --prompt TEXT [--chat] [--max-tokens N] [--arm NAME] [--no-speculation] [--json]
+    specserve [-v] status
+    specserve [-v] ab report ...       (experiments.ab_report)
+    specserve [-v] render-k8s CONFIG [--image IMAGE] [--out PATH]
+    specserve [-v] bench ...           (bench.run)
+    specserve [-v] eval ...            (experiments.eval.cli)
+
+One argparse parser. An instrument declares its arguments (`configure_parser(parser)`) and this module mounts
+them as a subcommand (`_instrument`). Every subcommand's namespace carries `handler(args) -> exit status` and
+`argv`, the command line after `specserve`. This is the one product module that imports the instruments
+(bench/, experiments/), and no module imports it.
 
 Ray 2.60 turns token authentication on for a local cluster it starts and writes the token to
 ~/.ray/auth_token; `serve` and `status` work with it as is (set RAY_AUTH_MODE=disabled to opt out, loopback
@@ -120,7 +125,7 @@ def generate_once(config, prompt: str, *, chat: bool = False, max_tokens: int | 
     from actors.requests import SamplingParams
     from actors.sources import load_tokenizer
     from cluster.config import validate_models
-    from cluster.experiments.ab import ArmRouter
+    from cluster.serving.ab import ArmRouter
     from cluster.serving.decoder import DecodeJob, Finished, decode_events, local_unit
     from cluster.serving.protocol import resolve_max_tokens, usage_body
 
@@ -215,7 +220,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------------------------- delegates
+# --------------------------------------------------------------------------------------------- render-k8s
 
 
 def cmd_render_k8s(args: argparse.Namespace) -> int:
@@ -234,17 +239,14 @@ def cmd_render_k8s(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str, argv: list[str]) -> int:
-    import importlib
-
-    code = importlib.import_module(module).main(argv)
-    return int(code or 0)
-
-
 # --------------------------------------------------------------------------------------------- parser
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from bench import run as bench_run
+    from experiments import ab_report
+    from experiments.eval import cli as eval_cli
+
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -272,9 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default=None, help="Ray address (default: auto)")
     status.set_defaults(handler=cmd_status)
 
-    # `ab report` and `bench` own their arguments (see DELEGATES); listed here for --help.
-    ab = commands.add_parser("ab", help="A/B experiments: `specserve ab report --help` (cluster.experiments.report)")
-    ab.set_defaults(handler=lambda a: _delegate("cluster.experiments.report", ["--help"]))
+    ab = commands.add_parser("ab", help="A/B experiments: `specserve ab report --help`")
+    ab.set_defaults(handler=lambda _: _print_help(ab))  # `specserve ab` alone lists its subcommands
+    _instrument(ab.add_subparsers(dest="ab_command"), "report", ab_report, ab_report.run,
+                "per-arm figures and differences with bootstrap CIs")
 
     k8s = commands.add_parser("render-k8s", help="render a KubeRay RayService manifest from a config")
     k8s.add_argument("config")
@@ -282,26 +285,29 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--out", default=None)
     k8s.set_defaults(handler=cmd_render_k8s)
 
-    bench = commands.add_parser("bench", help="benchmarks: `specserve bench --help` (cluster.bench.run)")
-    bench.set_defaults(handler=lambda a: _delegate("cluster.bench.run", ["--help"]))
-
-    evaluate = commands.add_parser("eval", help="task suites scored per arm: `specserve eval --help`")
-    evaluate.set_defaults(handler=lambda a: _delegate("cluster.experiments.eval.cli", ["--help"]))
+    _instrument(commands, "bench", bench_run, bench_run.run_command, "the benchmark suite (docs/benchmarks.md)")
+    _instrument(commands, "eval", eval_cli, eval_cli.run,
+                "score a task suite per arm (quality vs speed, paired statistics)")
     return parser
 
 
-# Subcommands whose own parsers own every argument after them.
-DELEGATES = {("ab", "report"): "cluster.experiments.report", ("bench",): "cluster.bench.run",
-             ("eval",): "cluster.experiments.eval.cli"}
+def _instrument(commands, name: str, module, handler, help: str) -> argparse.ArgumentParser:
+    """Subcommand `name`, whose arguments `module.configure_parser` declares and whose handler is `handler`."""
+    parser = commands.add_parser(name, help=help, description=module.__doc__.split("\n\n")[0])
+    module.configure_parser(parser)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    for prefix, module in DELEGATES.items():
-        if tuple(argv[: len(prefix)]) == prefix:
-            return _delegate(module, argv[len(prefix) :])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -1,6 +1,6 @@
 """Records that cross sub-packages of cluster/: written by one concern, read by another.
 
-`AuditRecord` is written by the quality audit (`cluster.experiments.audit`), aggregated by the telemetry hub
+`AuditRecord` is written by the quality audit (`cluster.serving.audit`), aggregated by the telemetry hub
 (`cluster.observability.telemetry`) and read back from the export by the A/B report.
 """
 

@@ -1,5 +1,6 @@
-"""The code's shape, checked: module size, an acyclic import graph, the layering of DESIGN.md, and declared
-dependencies equal to the imported ones (pyproject.toml).
+"""The code's shape, checked: module size, an acyclic import graph, the layering of docs/architecture.md (the
+product, policies ← actors ← cluster, apart from the instruments, bench and experiments, that use it), and
+declared dependencies equal to the imported ones (pyproject.toml).
 
 Imports are read from the source (every `import`, module-level or inside a function), so a lazy import counts
 as a dependency edge too.
@@ -19,7 +20,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("policies", "actors", "cluster")
+PRODUCT = ("policies", "actors", "cluster")
+INSTRUMENTS = ("bench", "experiments")  # benchmarks, A/B report, eval: they use the product, it never uses them
+PACKAGES = PRODUCT + INSTRUMENTS
+# The console script: the one product module that imports the instruments, to register their subcommands.
+CLI = "cluster.cli"
 MAX_LINES = 400
 # Needed at run time without being imported by our code: transformers' GGUF loader (the embedded SmolLM2)
 # imports gguf and refuses to load without accelerate ("accelerate is required when loading a GGUF file").
@@ -96,7 +101,8 @@ def test_import_graph_has_no_cycles():
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_layering(module):
-    """policies ← actors ← cluster; policies never touch Ray or models; Ray lives in actors/remote only."""
+    """policies ← actors ← cluster ← experiments ← bench; policies never touch Ray or models; Ray lives in
+    actors/remote only; no product module imports an instrument, except the CLI registering their commands."""
     imports = _imports(MODULES[module])
     tops = {name.split(".")[0] for name in imports}
     if module.startswith("policies"):
@@ -105,6 +111,19 @@ def test_layering(module):
         assert "cluster" not in tops, imports
         if not module.startswith("actors.remote"):
             assert "ray" not in tops, f"{module} imports Ray outside actors/remote"
+    if module.split(".")[0] in PRODUCT and module != CLI:
+        assert not tops & set(INSTRUMENTS), f"{module} (product) imports {sorted(tops & set(INSTRUMENTS))}"
+    if module.startswith("experiments"):
+        assert "bench" not in tops, f"{module} imports the bench"
+    assert CLI not in imports, f"{module} imports {CLI}: only the console script may reach the instruments"
+
+
+def test_instruments_are_top_level_packages():
+    """The bench and the experiments live beside the product, not inside cluster/."""
+    for name in INSTRUMENTS:
+        assert (ROOT / name / "__init__.py").is_file(), f"{name}/ is not a top-level package"
+        assert not (ROOT / "cluster" / name).exists(), f"cluster/{name} exists: {name} belongs at the top level"
+    assert not [m for m in MODULES if m.startswith(("cluster.bench", "cluster.experiments"))]
 
 
 def _distribution_files() -> dict[Path, str]:
@@ -185,8 +204,7 @@ def test_only_the_factories_branch_on_the_engine():
     """No `... == "vllm"` outside the factories: the serving layer builds a unit and never asks which engine."""
     found = []
     for module, path in MODULES.items():
-        if module in ENGINE_BRANCHES or module.split(".")[0] not in ("policies", "actors", "cluster") \
-                or module.startswith("cluster.bench"):
+        if module in ENGINE_BRANCHES or module.split(".")[0] not in PRODUCT:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.Eq, ast.NotEq)) and any(

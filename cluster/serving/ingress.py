@@ -26,10 +26,10 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.requests import SamplingParams
-from cluster.experiments.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError
-from cluster.experiments.audit import AuditRunner, AuditSampler
 from cluster.config import parse_config
 from cluster.serving import openapi
+from cluster.serving.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError
+from cluster.serving.audit import AuditRunner, AuditSampler
 from cluster.serving.decoder import DecodeJob, Finished, TextDelta, UnitStarted, policy_actor_name, policy_kwargs
 from cluster.serving.failures import UNIT_LOST, Deadline, deadline_s, unit_failed, unit_lost
 from cluster.serving.guard import GuardPolicy, RequestGuard

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.experiments.ab import ARM_HEADER
+from cluster.serving.ab import ARM_HEADER
 
 
 class ErrorDetail(BaseModel):

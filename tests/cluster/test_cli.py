@@ -1,4 +1,4 @@
-"""The `specserve` console script: argument parsing, delegation, render-k8s and in-process generate."""
+"""The `specserve` console script: one argparse parser for every subcommand, render-k8s and in-process generate."""
 
 from __future__ import annotations
 
@@ -23,12 +23,47 @@ def test_parser_knows_every_command():
     assert (args.image, args.out) == ("img:1", "x.yaml")
 
 
+def test_instruments_parse_through_the_same_parser():
+    """bench, eval and ab report are argparse subcommands: the global -v goes before them, their flags after."""
+    from bench.run import run_command
+    from experiments import ab_report
+    from experiments.eval import cli as eval_cli
+
+    parser = build_parser()
+    args = parser.parse_args(["-v", "bench", "--section", "vllm", "--quick", "--out", "o", "--skip", "hf", "c.yaml"])
+    assert args.verbose and (args.command, args.section, args.quick, args.out, args.skip) == ("bench", "vllm", True,
+                                                                                          "o", "hf")
+    assert args.config == "c.yaml" and args.handler is run_command
+    assert parser.parse_args(["bench"]).config == "configs/local.yaml"
+    args = parser.parse_args(["eval", "c.yaml", "--arms", "exact,asd", "--limit", "3"])
+    assert (args.config, args.arms, args.limit, args.handler) == ("c.yaml", "exact,asd", 3, eval_cli.run)
+    args = parser.parse_args(["-v", "ab", "report", "--file", "e.json", "--json", "--resamples", "50"])
+    assert args.verbose and (args.ab_command, args.file.name, args.json, args.resamples) == ("report", "e.json",
+                                                                                           True, 50)
+    assert args.handler is ab_report.run
+
+
 @pytest.mark.parametrize("argv, usage", [(["ab", "report", "--help"], "specserve ab report"),
-                                         (["bench", "--help"], "specserve bench")])
-def test_ab_report_and_bench_own_their_arguments(argv, usage, capsys):
+                                         (["-v", "bench", "--help"], "specserve bench"),
+                                         (["bench", "--section", "vllm", "--help"], "specserve bench"),
+                                         (["eval", "--help"], "specserve eval")])
+def test_instrument_help_is_their_own(argv, usage, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 0 and usage in capsys.readouterr().out
+
+
+def test_ab_alone_lists_its_subcommands(capsys):
+    assert main(["ab"]) == 0
+    assert "report" in capsys.readouterr().out
+
+
+def test_bad_instrument_arguments_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--section", "nope"])
+    assert info.value.code == 2 and "--section" in capsys.readouterr().err
+    assert main(["-v", "eval"]) == 2  # neither CONFIG nor --url: eval's own message
+    assert "CONFIG" in capsys.readouterr().err
 
 
 def test_missing_config_is_an_error_not_a_traceback(capsys):

@@ -7,7 +7,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.stats import RequestRecord, RoundRecord, RowRecord
-from cluster.experiments.audit import compare
 from cluster.config import TelemetrySettings
 from cluster.observability.observer import UnitObserver, remote_sender
 from cluster.observability.telemetry import (
@@ -19,6 +18,7 @@ from cluster.observability.telemetry import (
     round_arm,
 )
 from cluster.observability.tracing import make_tracer_provider
+from cluster.serving.audit import compare
 
 T0 = time.time()
 

@@ -18,7 +18,7 @@ pytest.importorskip("openai")
 APP = "tiny-eval-http"
 
 SUITE = '''
-from cluster.experiments.eval.suites import EvalPrompt, Problem, Score
+from experiments.eval.suites import EvalPrompt, Problem, Score
 
 
 class Echo:
@@ -70,7 +70,7 @@ def suite(tmp_path, monkeypatch) -> str:
 
 
 def test_eval_over_http_scores_both_arms_and_resumes(server, suite, tmp_path, capsys):
-    from cluster.experiments.eval.cli import main
+    from experiments.eval.cli import main
 
     out = tmp_path / "out"
     args = ["--url", server, "--suite", suite, "--arms", "exact,asd", "--out", str(out), "--resamples", "200"]
@@ -95,7 +95,7 @@ def test_eval_over_http_scores_both_arms_and_resumes(server, suite, tmp_path, ca
     assert "resuming, 6 of 8 rows done" in err and "2 answers now, 6 from earlier runs" in err
     assert len((out / "rows.jsonl").read_text().splitlines()) == 8
 
-    from cluster.experiments.report import main as ab_report
+    from experiments.ab_report import main as ab_report
 
     # a request's record reaches the export a moment after its response: wait until each arm's 6 have (4 rows,
     # and the one-token probe of each of the two runs)
@@ -113,14 +113,14 @@ def test_eval_over_http_scores_both_arms_and_resumes(server, suite, tmp_path, ca
 
 
 def test_arms_default_to_the_services(server, suite, tmp_path, capsys):
-    from cluster.experiments.eval.cli import main
+    from experiments.eval.cli import main
 
     assert main(["--url", server, "--suite", suite, "--limit", "1", "--out", str(tmp_path), "--resamples", "50"]) == 0
     assert "2 arms (exact, asd)" in capsys.readouterr().err
 
 
 def test_an_unknown_arm_is_refused_before_any_row(server, suite, tmp_path, capsys):
-    from cluster.experiments.eval.cli import main
+    from experiments.eval.cli import main
 
     out = tmp_path / "bad"
     assert main(["--url", server, "--suite", suite, "--arms", "exact,nope", "--out", str(out)]) == 2

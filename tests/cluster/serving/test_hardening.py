@@ -64,7 +64,7 @@ def servers(ray_cluster, tiny_llama_dir):
 
 
 def test_fuzzing_every_route_finds_no_server_error_and_no_undeclared_answer(servers):
-    from cluster.bench.fuzz import fuzz
+    from bench.fuzz import fuzz
 
     url, _ = servers
     report = fuzz(url, examples=FUZZ_EXAMPLES)

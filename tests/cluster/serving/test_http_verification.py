@@ -91,7 +91,7 @@ def _metric(server: str, name: str, **labels) -> float:
 def test_fallback_counter_and_report_warning(server, client, capsys):
     """More default-temperature requests on the asd arm: /metrics counts the fallbacks, and `specserve ab
     report` warns at the top that the asd arm ran exact verification, with the shares in --json."""
-    from cluster.experiments.report import main
+    from experiments.ab_report import main
 
     for user in range(4):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, user=f"u{user}",

@@ -1,0 +1,180 @@
+"""Task quality per arm: the bench's `quality` section and the (g, M, B) grid that chooses the default ASD arm.
+
+Both run `specserve eval` (`experiments.eval`) in-process: a task suite answered by every arm, scored by its
+tests and compared with the exact reference arm paired by problem (why task quality rather than agreement with
+exact output: docs/experiments.md).
+
+- `quality_section(config, ...)`: the bench section (the config's arms plus the plan's extra ASD settings);
+  `summary_entry(section)` is the summary key `asd_quality_delta`, `markdown(section)` the report's part.
+- `grid_config(config, settings)`: the config with its exact reference arm and one ASD arm per setting,
+  named by the setting's label (`g2_M2_B8`).
+- `python -m bench.quality CONFIG --suite S --limit N --out DIR [--settings g2_M2_B8,...]
+  [--torch-threads 1]`: the grid run (resumable: rerun the same command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from bench.plan import ASDSetting
+
+log = logging.getLogger(__name__)
+
+# One factor at a time around the earlier default (g 2, M 2, B 8): the (g, M, B) cube of 3 × 2 × 3 settings
+# does not fit the CPU time of one run on a shared 2-core machine, and the default's neighbours on each axis
+# say which knob moves speed and quality.
+DEFAULT_GRID = tuple(ASDSetting(g=g, max_relaxed_per_block=m, budget=b) for g, m, b in (
+    (1, 2, 8), (2, 2, 8), (4, 2, 8), (2, 1, 8), (2, 2, 2), (2, 2, 32)))
+_LABEL = re.compile(r"^g([0-9.]+)_M([0-9]+)_B([0-9.]+)$")
+
+
+def parse_setting(label: str) -> ASDSetting:
+    """`g2_M2_B8` → ASDSetting(g=2, max_relaxed_per_block=2, budget=8); ValueError naming the label."""
+    match = _LABEL.match(label.strip())
+    if not match:
+        raise ValueError(f"settings: {label!r} is not a label like g2_M2_B8")
+    return ASDSetting(g=float(match[1]), max_relaxed_per_block=int(match[2]), budget=float(match[3]))
+
+
+def _same(arm, setting: ASDSetting) -> bool:
+    return arm.asd is not None and (arm.asd.g, arm.asd.max_relaxed_per_block, arm.asd.budget) == (
+        setting.g, setting.max_relaxed_per_block, setting.budget)
+
+
+def reference_arm(config) -> str:
+    """The arm the others are compared with: the audit's reference when it is an arm, else the first exact."""
+    names = [a.name for a in config.arms]
+    if config.audit.reference_arm in names:
+        return config.audit.reference_arm
+    exact = [a.name for a in config.arms if a.verification == "exact"]
+    if not exact:
+        raise ValueError("arms: the quality comparison needs an exact arm as its reference")
+    return exact[0]
+
+
+def grid_config(config, settings: Sequence[ASDSetting], keep_arms: bool = False):
+    """`config` whose arms are its reference (exact) arm, then (with `keep_arms`) its other arms, then one ASD
+    arm per setting not already among them, named by the setting's label."""
+    from cluster.config import ArmConfig, SpecServeConfig
+
+    reference = reference_arm(config)
+    arms = [a for a in config.arms if a.name == reference or keep_arms]
+    arms.sort(key=lambda a: a.name != reference)
+    for s in settings:
+        if not any(_same(a, s) for a in arms):
+            arms.append(ArmConfig.model_validate({"name": s.label, "verification": "asd", "asd": {
+                "g": s.g, "max_relaxed_per_block": s.max_relaxed_per_block, "budget": s.budget}}))
+    data = config.model_dump()
+    data["arms"] = [a.model_dump() for a in arms]
+    return SpecServeConfig.model_validate(data)
+
+
+def run_eval(config, suite_name: str, out_dir: Path, *, limit: int | None = None, max_tokens: int | None = None,
+             resamples: int = 2000, progress: Callable[[str], None] | None = None) -> dict:
+    """Every arm of `config` on `suite_name` in-process, reference first; rows resume from `out_dir`. Writes
+    the eval's results.json, report.md and frontier.png there and returns the report (`specserve.eval/v1`)."""
+    from experiments.eval.backends import InProcessBackend
+    from experiments.eval.report import build_eval_report, write_outputs
+    from experiments.eval.runner import read_rows, run_suite
+    from experiments.eval.suites import load_suite
+
+    suite = load_suite(suite_name)
+    arms = [a.name for a in config.arms]
+    backend = InProcessBackend(config)
+    try:
+        run_suite(suite, backend, arms, out_dir, limit=limit, max_tokens=max_tokens, progress=progress)
+        settings = backend.arm_settings()
+    finally:
+        backend.close()
+    report = build_eval_report(read_rows(out_dir), suite=suite.name, binary=bool(suite.binary), arms=arms,
+                               reference=reference_arm(config), arm_settings=settings, resamples=resamples)
+    write_outputs(out_dir, report)
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ the bench
+
+
+def quality_section(config, *, suite: str, problems: int, max_tokens: int | None,
+                    settings: Sequence[ASDSetting], out_dir: Path, resume: bool,
+                    progress: Callable[[str], None] | None = None) -> dict:
+    """The bench's `quality` section: the config's arms and `settings` on the suite's first `problems`.
+    Without `resume`, rows of an earlier run in `out_dir` are discarded (the eval runner would resume them)."""
+    if not resume and out_dir.exists():
+        shutil.rmtree(out_dir)
+    grid = grid_config(config, settings, keep_arms=True)
+    report = run_eval(grid, suite, out_dir, limit=problems, max_tokens=max_tokens, progress=progress)
+    return {"suite": report["suite"], "problems": problems, "max_tokens": max_tokens, "eval_dir": str(out_dir),
+            "report": report}
+
+
+def summary_entry(section: dict) -> dict:
+    """`asd_quality_delta`: per ASD arm, {delta, ci95, mcnemar_p, n, speed_ratio, settings, suite, reference}."""
+    from experiments.eval.report import asd_quality_delta
+
+    return asd_quality_delta(section["report"])
+
+
+def markdown(section: dict) -> list[str]:
+    """The report's lines for the section."""
+    from experiments.eval.report import quality_section as table
+
+    report = section["report"]
+    title = f"## Task quality per arm (`specserve eval`, {report['suite']}, first {section['problems']} problems)"
+    note = ("Greedy answers scored by the suite's tests; Δ is the arm's pass rate minus the reference's in points. "
+            f"Rows, report and frontier plot: `{section['eval_dir']}`.")
+    return ["", title, "", table(report)["markdown"].rstrip("\n"), "", note]
+
+
+# ------------------------------------------------------------------------------------------------ the grid
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench.quality CONFIG --suite S [--limit N] [--out DIR] [--settings LABELS]`."""
+    parser = argparse.ArgumentParser(prog="python -m bench.quality",
+                                     description="Task quality of a (g, M, B) grid of ASD arms against exact.")
+    parser.add_argument("config", help="deployment config; its exact reference arm is kept, its ASD arms replaced")
+    parser.add_argument("--suite", default="humaneval", help="eval suite (default %(default)s)")
+    parser.add_argument("--limit", type=int, help="the suite's first N problems")
+    parser.add_argument("--max-tokens", type=int, help="override the suite's max_tokens")
+    parser.add_argument("--settings", help="comma-separated labels like g2_M2_B8 (default: the built-in grid: "
+                                           + ", ".join(s.label for s in DEFAULT_GRID) + ")")
+    parser.add_argument("--out", type=Path, help="output directory (default specserve-eval/grid-SUITE)")
+    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
+    parser.add_argument("--torch-threads", type=int, help="override the config's unit.torch_threads (on a busy "
+                                                          "CPU, 1: threads waiting on preempted threads inflate "
+                                                          "every multi-token forward)")
+    args = parser.parse_args(argv)
+    import torch
+
+    from cluster.config import load_config
+    from experiments.eval.report import quality_section as table
+
+    torch.set_num_threads(1)  # the unit sets its own (config.unit.torch_threads); keep import-time pools small
+    try:
+        settings = [parse_setting(s) for s in args.settings.split(",")] if args.settings else list(DEFAULT_GRID)
+        config = load_config(args.config)
+        if args.torch_threads is not None:
+            data = config.model_dump()
+            data["unit"]["torch_threads"] = args.torch_threads
+            config = type(config).model_validate(data)
+        config = grid_config(config, settings)
+        out = args.out or Path("specserve-eval") / f"grid-{args.suite.replace(':', '_')}"
+        report = run_eval(config, args.suite, out, limit=args.limit, max_tokens=args.max_tokens,
+                          resamples=args.resamples, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"bench.quality: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(table(report)["markdown"])
+    print(f"wrote {out}/results.json, report.md, frontier.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
