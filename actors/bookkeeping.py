@@ -130,7 +130,7 @@ class RequestBook:
             first_token_s=self.first_token_s, finished_s=finished_s, finish_reason=finish_reason,
             degraded=self.degraded, verification=self.verification, arm_verification=arm.verification,
             asd_fallback=self.asd_fallback, sampled=not self.greedy,
-            regret_spent=summary["spent"] if summary else (0.0 if on_asd_arm else None),
+            regret_spent=summary["spent"] if summary else (0.0 if self.asd else None),
             regret_budget=arm.asd.budget if arm.asd is not None else None,
             relaxed_tokens=(summary["relaxed_tokens"] if summary else 0) if on_asd_arm else None,
             ledger_exhausted=bool(summary and summary["exhausted"]),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -82,10 +83,11 @@ class PolicyCore:
         self.epoch = uuid.uuid4().hex
         self.ledgers: dict[str, LedgerState] = {}
         self.closed: dict[str, LedgerState] = {}  # the last CLOSED_KEPT ledgers closed, as they ended (audits)
-        self.reports = 0
+        self.reports, self.rows, self.busy_s = 0, 0, 0.0  # merged so far, and the time spent merging
 
     def report(self, report: UnitReport) -> PolicySnapshot:
         """Merge one unit's report; the merged statistics come back."""
+        start = time.perf_counter()
         for arm, gamma, accepted, confidence, match_len in report.rows:
             self.gamma.observe_arm(arm, gamma, accepted, confidence, match_len)
         for batch_size, draft_step_s, scored in report.costs:
@@ -100,6 +102,8 @@ class PolicyCore:
             while len(self.closed) > CLOSED_KEPT:
                 self.closed.pop(next(iter(self.closed)))
         self.reports += 1
+        self.rows += len(report.rows)
+        self.busy_s += time.perf_counter() - start
         return self.snapshot()
 
     def snapshot(self) -> PolicySnapshot:
@@ -117,7 +121,8 @@ class PolicyCore:
         return self.ledgers.get(request_id) or self.closed.get(request_id)
 
     def summary(self) -> dict:
-        return {"epoch": self.epoch, "reports": self.reports, "open_ledgers": len(self.ledgers),
+        return {"epoch": self.epoch, "reports": self.reports, "rows": self.rows, "busy_s": self.busy_s,
+                "open_ledgers": len(self.ledgers),
                 "gamma": self.gamma.summary()}
 
 

@@ -47,8 +47,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--port", type=int, default=8765, help="HTTP port of the benchmark app (127.0.0.1)")
     parser.add_argument("--quality-suite", default=None, help="override: the quality section's eval suite")
     parser.add_argument("--quality-problems", type=int, default=None, help="override: its first N problems")
-    parser.add_argument("--section", choices=("all", "reliability", "vllm"), default="all",
+    parser.add_argument("--section", choices=("all", "reliability", "vllm", "policy"), default="all",
                         help="reliability: fuzzing, faults under load, long-prefill stall (bench.reliability); "
+                        "policy: the policy actor's capacity with 1 to 256 simulated units (bench.policy_capacity); "
                         "vllm: specserve on the vLLM engine vs vLLM's own server (bench.vllm_peer; "
                         "CONFIG defaults to configs/local-vllm.yaml)")
     return parser
@@ -300,6 +301,10 @@ def run_command(args: argparse.Namespace) -> int:
         return main_section(args, command_line(args))
     if args.section == "vllm":
         from bench.vllm_peer import main_section
+
+        return main_section(args, command_line(args))
+    if args.section == "policy":
+        from bench.policy_capacity import main_section
 
         return main_section(args, command_line(args))
     try:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front end (a Serve ingress deployment with FastAPI).
 
 Per request: validate the body (`cluster.serving.protocol`; omitted sampling fields take `serving.defaults`, else
-OpenAI's), tokenize, check the context limit, pick the arm (`cluster.experiments.ab`) and stream a `DecodeJob` to
+OpenAI's), tokenize, check the context limit, pick the arm (`cluster.serving.ab`) and stream a `DecodeJob` to
 a decoder unit through a Serve handle; answers are OpenAI bodies, or SSE chunks ending with `data: [DONE]`.
 Client mistakes get a 4xx with OpenAI's error body, a full queue or a failed unit a 503 with Retry-After
 (`cluster.serving.failures`), a request past `serving.request_timeout_s` a 408; a client that disconnects aborts
