@@ -1,18 +1,10 @@
-"""`VllmUnit`: a unit whose target runs on vLLM's engine (`target.engine: vllm`).
+"""`VllmUnit`: the `actors.unit.Unit` whose target runs on vLLM's engine (`target.engine: vllm`).
 
-It has the surface of `actors.coordinator.Coordinator` that the serving layer uses (`generate` streaming
-`GenerationChunk`s with a `RequestRecord` on the last one, `abort`, `close`, `active_requests`,
-`generate_many_sync`), so the decoder replica, arms, `usage.speculative`, the audit and the metrics work
-unchanged. vLLM's `AsyncLLM` runs the engine: its engine-core process schedules and batches, its worker
-processes run the model (`tensor_parallel_size` workers), and specserve's proposer and ASD hook run inside the
-worker (`actors.engines.vllm.worker`).
-
-Failure:
-- **Start.** An engine that fails to start (bad model path, not enough KV memory) raises `EngineStartError`
-  carrying vLLM's error, so the unit (and its Serve replica) fails to start with it.
-- **Death mid-request.** When the engine dies, every in-flight request ends with finish reason "error"; its
-  ledger died with the worker that held it (nothing is left open), and the unit starts a new engine; requests
-  that arrive meanwhile wait for it.
+vLLM's `AsyncLLM` runs the engine (engine core and `tensor_parallel_size` workers); specserve's proposer and ASD
+hook run inside the worker (`actors.engines.vllm.worker`), which keeps each request's `RequestBook`. An engine
+that fails to start raises `EngineStartError` with vLLM's error. An engine that dies is rebuilt, and each
+in-flight request resumes on the new one from its prompt and the tokens it streamed (ASD requests go on exactly:
+see `_resumed`); requests that arrive meanwhile wait for it.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from actors.bookkeeping import RequestBook
@@ -40,6 +33,7 @@ log = logging.getLogger(__name__)
 PROPOSER = "actors.engines.vllm.worker.SpecserveProposer"
 EXTENSION = "actors.engines.vllm.worker.SpecserveWorkerExtension"
 RECORD_TIMEOUT_S = 10.0  # reading a finished request's record from the worker
+MAX_RESUMES = 2  # engine deaths a request is resumed after, before it ends with an error
 
 
 class EngineStartError(RuntimeError):
@@ -225,44 +219,57 @@ class VllmUnit:
         return (await engine.collective_rpc("specserve_live"))[0]
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Stream the request's tokens; the last chunk has the finish reason and the record."""
+        """Stream the request's tokens; the last chunk has the finish reason and the record. When the engine
+        dies, the request resumes on the rebuilt one from its prompt and the tokens already streamed."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         rid = request.request_id
         if rid in self._inflight:
             raise ValueError(f"request_id {rid!r} is already running on unit {self.unit}")
-        engine = await self._engine()
+        self._inflight.add(rid)
         started, first = time.time(), None
         tokens: list[int] = []
-        reason, error = "abort", None
-        self._inflight.add(rid)
-        stream = engine.generate({"prompt_token_ids": list(request.prompt_ids)}, self._params(request), rid)
+        reason, error, final, worker = "abort", None, [], {}
+        attempt, resumes = request, 0
         try:
-            async for out in stream:
-                new = list(out.outputs[0].token_ids)
-                if new and first is None:
-                    first = time.time()
-                tokens.extend(new)
-                if out.finished:
-                    reason = out.outputs[0].finish_reason or "abort"
-                    final = new
-                    if reason == "stop" and final and final[-1] in self._stops(request):
-                        final.pop()  # vLLM keeps the stop token; specserve's outputs end before it
-                        tokens.pop()
+            while True:
+                engine = await self._engine()
+                stream = engine.generate({"prompt_token_ids": list(attempt.prompt_ids)}, self._params(attempt), rid)
+                died = None
+                try:
+                    async for out in stream:
+                        new = list(out.outputs[0].token_ids)
+                        if new and first is None:
+                            first = time.time()
+                        tokens.extend(new)
+                        if out.finished:
+                            reason = out.outputs[0].finish_reason or "abort"
+                            final = new
+                            if reason == "stop" and final and final[-1] in self._stops(request):
+                                final.pop()  # vLLM keeps the stop token; specserve's outputs end before it
+                                tokens.pop()
+                            break
+                        if new:
+                            yield GenerationChunk(new)
+                except EngineDeadError as err:
+                    died = err
+                    self._engine_died(engine)
+                finally:
+                    # In its own task: a consumer that goes away may cancel this generator again while it cleans
+                    # up, and the abort (freeing vLLM's KV blocks) and the worker's release must happen all the same.
+                    cleanup = asyncio.ensure_future(self._end(engine, stream, rid, take=died is None))
+                    worker = await asyncio.shield(cleanup)
+                if died is None:
                     break
-                if new:
-                    yield GenerationChunk(new)
-            else:
-                final = []
-        except EngineDeadError as err:
-            reason, error, final = "error", f"vLLM engine died: {err}", []
-            self._engine_died(engine)
+                resumes += 1
+                left = request.params.max_tokens - len(tokens)
+                if resumes > MAX_RESUMES or left < 1 or self._closed:
+                    reason, error = "error", f"vLLM engine died: {died}"
+                    break
+                log.warning("unit %s: engine died under %s after %d tokens; resuming it", self.unit, rid, len(tokens))
+                attempt = _resumed(request, tokens, left)
         finally:
             self._inflight.discard(rid)
-            # In its own task: a consumer that goes away may cancel this generator again while it cleans up,
-            # and the abort (freeing vLLM's KV blocks) and the worker's release must happen all the same.
-            cleanup = asyncio.ensure_future(self._end(engine, stream, rid, take=reason != "error"))
-            worker = await asyncio.shield(cleanup)
         record = self._record(request, worker, tokens, started, first, reason)
         if record.degraded:
             await self._recover_drafter()
@@ -340,6 +347,17 @@ class VllmUnit:
             self.engine.shutdown()
             self.engine = None
             self._kill_drafter()
+
+
+def _resumed(request: GenerationRequest, emitted: list[int], left: int) -> GenerationRequest:
+    """The rest of `request` after its engine died: its prompt and what it emitted, `left` tokens to go. An ASD
+    request goes on exactly (budget 0): the dead worker's last charges may not have reached the policy actor, so
+    only exact verification is sure never to overspend its ledger."""
+    arm = request.arm
+    if arm.asd is not None:
+        arm = replace(arm, asd=replace(arm.asd, budget=0.0))
+    return replace(request, prompt_ids=[*request.prompt_ids, *emitted], params=replace(request.params, max_tokens=left),
+                   arm=arm)
 
 
 def _cause(log_text: str) -> str:

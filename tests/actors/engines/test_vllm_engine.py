@@ -257,26 +257,36 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def test_an_engine_that_dies_mid_request_ends_it_with_error_and_is_rebuilt(unit, tokenizer, plain_greedy):
+def test_an_engine_that_dies_mid_stream_is_rebuilt_and_every_stream_resumes(unit, tokenizer, plain_greedy):
+    """Kill vLLM's engine core and worker while greedy exact streams and an ASD stream run: the unit starts a
+    new engine and resumes each request from its prompt and the tokens it streamed. Every stream completes
+    without an error, the exact ones with vLLM's own undisturbed greedy text (no token lost or repeated), the ASD
+    one within its budget, and nothing is left in the worker or vLLM's KV blocks."""
     ps = prompts(tokenizer)
     generation = unit.generation
+    arm = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=3.0))
+    exact = [greedy(f"d{i}", p) for i, p in enumerate(ps[:3])]
 
     async def scenario():
-        long = GenerationRequest("dies", ps[4], SamplingParams(max_tokens=600, ignore_eos=True))
-        task = asyncio.ensure_future(_collect(unit, long))
-        await asyncio.sleep(1.0)
+        tasks = [asyncio.ensure_future(_collect(unit, r)) for r in exact]
+        tasks.append(asyncio.ensure_future(_collect(unit, greedy("dasd", ps[3], arm=arm))))
+        await asyncio.sleep(1.0)  # a few tokens into the streams
+        assert not all(t.done() for t in tasks)
         killed = _spawned(os.getpid())  # vLLM's engine core and worker
         for child in killed:
             os.kill(child, signal.SIGKILL)
         assert killed
-        tokens, reason, record = await asyncio.wait_for(task, 60)
-        return reason, record
+        return await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
-    reason, record = unit.run_sync(scenario())
-    assert reason == "error" and record.finish_reason == "error"
-    # the unit starts a new engine; the next request waits for it and is served exactly
-    again = unit.generate_sync(greedy("after", ps[1]))
-    assert unit.generation == generation + 1 and again.token_ids == plain_greedy[1]
+    outs = unit.run_sync(scenario())
+    assert unit.generation == generation + 1
+    assert all(reason in ("stop", "length") for _, reason, _ in outs), [reason for _, reason, _ in outs]
+    assert [tokens for tokens, _, _ in outs[:3]] == plain_greedy[:3]
+    assert outs[3][2].regret_spent is None or outs[3][2].regret_spent <= 3.0 + 1e-9
+    live = unit.run_sync(unit.worker_state())
+    assert live["requests"] == [] and live["ledgers"] == []
+    # the new engine serves exactly
+    assert unit.generate_sync(greedy("after", ps[1])).token_ids == plain_greedy[1]
 
 
 def test_an_engine_that_cannot_start_fails_with_vllms_error():
@@ -341,3 +351,23 @@ def test_a_model_drafter_on_vllm_in_its_own_actor_is_greedy_identical(ray_cluste
     accepted = sum(r.record.accepted_tokens for r in results)
     # a step whose draft call times out on a loaded machine decodes target-only (degraded), still exact
     assert drafted >= 40 and accepted / drafted > 0.8, (accepted, drafted)
+
+
+def test_usage_speculative_has_the_same_keys_and_meanings_on_both_engines(unit, tokenizer):
+    """One `RequestBook` builds the record on both engines: the same request on the native engine and on vLLM
+    gives `usage.speculative` with the same keys, and the same verification, arm and budget."""
+    from actors.unit import build_unit
+
+    native = build_unit(unit="native", target=TargetSetup(SOURCE, max_slots=4, max_seq_len=1024), on_ray=False)
+    asd = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=3.0))
+    prompt = prompts(tokenizer)[0]
+    cases = [greedy("k-exact", prompt, max_tokens=12), greedy("k-asd", prompt, arm=asd, max_tokens=12),
+             GenerationRequest("k-fallback", prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=3), asd),
+             greedy("k-plain", prompt, speculate=False, max_tokens=12)]
+    on_vllm = [r.record.speculative_usage() for r in unit.generate_many_sync(cases)]
+    on_native = [r.record.speculative_usage() for r in native.generate_many_sync(cases)]
+    for v, n in zip(on_vllm, on_native):
+        assert set(v) == set(n), (v, n)
+        for key in ("arm", "verification", "regret_budget", "asd_fallback"):
+            assert v.get(key) == n.get(key), key
+    assert on_vllm[2]["asd_fallback"] == "sampled" and on_vllm[3]["draft_tokens"] == on_native[3]["draft_tokens"] == 0
