@@ -245,6 +245,7 @@ class WorkerState:
             scores = TargetScores(scores.argmax_ids.cpu(), scores.argmax_logits.cpu(), scores.draft_logits.cpu())
             ledgers = [self.books[rid].ledger for _, rid, _ in rows]
             spent_before = [ledger.spent for ledger in ledgers]
+            mirrored = self._mirrored([rid for _, rid, _ in rows]) if self.asd_log is not None else None
             lens = torch.tensor([k for _, _, k in rows])  # [N]
             verdict = verify_asd_scores(draft_ids, scores, ledgers, config, draft_lens=lens)
             self.policy.charged([rid for _, rid, _ in rows])
@@ -254,12 +255,21 @@ class WorkerState:
                     "config": (config.g, config.max_relaxed_per_block, config.budget),
                     "positions": [int(self.runner.input_batch.num_tokens_no_spec[b]) for b, _, _ in rows],
                     "draft_ids": draft_ids.tolist(), "draft_lens": lens.tolist(), "spent_before": spent_before,
+                    "mirrored_before": mirrored,
                     "argmax_ids": scores.argmax_ids.tolist(), "argmax_logits": scores.argmax_logits.tolist(),
                     "draft_logits": scores.draft_logits.tolist(), "logits_dtype": str(scores.argmax_logits.dtype),
                     "tokens": verdict.tokens.tolist(), "num_accepted": verdict.num_accepted.tolist()})
             for j, (b, _, k) in enumerate(rows):
                 sampled[b, : k + 1] = verdict.tokens[j, : k + 1].to(sampled.device, sampled.dtype)
                 sampled[b, k + 1 :] = PAD_TOKEN_ID
+
+
+    def _mirrored(self, request_ids: list[str]) -> list[float | None] | None:
+        """The in-process authority's spend of these ledgers (tests); None when the authority is an actor."""
+        core = getattr(self.policy.link, "core", None)
+        if core is None:
+            return None
+        return [None if core.ledger(rid) is None else core.ledger(rid).spent for rid in request_ids]
 
 
 WORKER: WorkerState | None = None  # this process's state (one vLLM worker per process)

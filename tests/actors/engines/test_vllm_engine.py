@@ -122,7 +122,8 @@ def test_mixed_batch_target_only_and_asd_without_budget_are_identical(unit, toke
 def test_asd_verdicts_equal_verify_asd_scores_and_ledgers_are_never_overspent(unit, tokenizer):
     """Every ASD verification in vLLM's worker is replayed from its logged target scores with
     `verify_asd_scores` and a ledger restored to the same spend: same tokens. The emitted output holds
-    exactly those tokens at the verified positions, and no request spends beyond its budget."""
+    exactly those tokens at the verified positions, no request spends beyond its budget, and the authority's
+    ledger equals the worker's lease at every step."""
     arm = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=3.0))
     ps = prompts(tokenizer)
     before = len(unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0])
@@ -140,6 +141,8 @@ def test_asd_verdicts_equal_verify_asd_scores_and_ledgers_are_never_overspent(un
         replay = verify_asd_scores(torch.tensor(entry["draft_ids"]), scores, ledgers, ASDConfig(*entry["config"]),
                                    draft_lens=torch.tensor(entry["draft_lens"]))
         assert replay.tokens.tolist() == entry["tokens"] and replay.num_accepted.tolist() == entry["num_accepted"]
+        # the authority's ledger equals the lease before every step (reported at the end of the one before)
+        assert entry["mirrored_before"] == entry["spent_before"]
         for j, rid in enumerate(entry["rids"]):
             prompt_len, output = outputs[rid]
             start = entry["positions"][j] - prompt_len
