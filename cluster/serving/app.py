@@ -48,6 +48,7 @@ def decoder_options(config: SpecServeConfig) -> dict[str, Any]:
         # Loading a model (and, on first use, converting the embedded GGUF) takes a while.
         health_check_timeout_s=120,
     )
+    options.update(replica_placement(config))
     if scaling.enabled:
         options["autoscaling_config"] = scaling.to_serve()
     else:
@@ -59,8 +60,11 @@ def replica_resources(config: SpecServeConfig) -> dict[str, float]:
     """Ray resources of one decoder replica: the coordinator's, plus the target's when it runs in the replica.
 
     On the vLLM engine the replica starts vLLM's engine core and its `tensor_parallel_size` workers as its own
-    subprocesses, so it reserves every shard's resources (GPUs included: the workers see the replica's GPUs)."""
+    subprocesses, so it reserves every shard's resources (GPUs included: the workers see the replica's GPUs);
+    on vLLM's Ray executor the workers reserve theirs in the replica's placement group (`replica_placement`)."""
     target = config.target
+    if ray_executor(config):
+        return {"num_cpus": config.unit.num_cpus}
     if target.engine == "vllm":
         tp = target.tensor_parallel_size
         options = {"num_cpus": config.unit.num_cpus + target.resources.num_cpus * tp}
@@ -73,6 +77,28 @@ def replica_resources(config: SpecServeConfig) -> dict[str, float]:
     if target.resources.num_gpus:
         options["num_gpus"] = target.resources.num_gpus
     return options
+
+
+def ray_executor(config: SpecServeConfig) -> bool:
+    """The target runs on vLLM's Ray executor (`engine_kwargs.distributed_executor_backend: ray`)."""
+    target = config.target
+    return target.engine == "vllm" and target.engine_kwargs.get("distributed_executor_backend") == "ray"
+
+
+def replica_placement(config: SpecServeConfig) -> dict[str, Any]:
+    """On vLLM's Ray executor, the replica's placement group, as Ray Serve LLM places vLLM: the first bundle hosts
+    the replica, one bundle per tensor-parallel worker follows it (`target.resources`), and vLLM's workers are Ray
+    actors in those (`actors.engines.vllm.unit.VllmUnit._ray_placement`); Serve removes it with the replica."""
+    if not ray_executor(config):
+        return {}
+    target = config.target
+    worker = {"CPU": target.resources.num_cpus or 1.0}  # a bundle of the CPU platform counts its CPUs as its device
+    if target.resources.num_gpus:
+        worker["GPU"] = target.resources.num_gpus
+    # a bundle cannot be empty: a replica reserving no CPU gets a sliver
+    replica = {"CPU": config.unit.num_cpus or 0.001}
+    return {"placement_group_bundles": [replica, *(dict(worker) for _ in range(target.tensor_parallel_size))],
+            "placement_group_strategy": target.placement_strategy}
 
 
 def ingress_options(config: SpecServeConfig) -> dict[str, Any]:
