@@ -111,9 +111,31 @@ def make_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup, policy: 
 
 def replica_resources(target: TargetSetup, coordinator_cpus: float) -> dict[str, float]:
     """Ray resources of one unit's Serve replica: the coordinator's, plus the target's where it runs in the
-    replica (vLLM's engine core and its `tp_size` workers are the replica's subprocesses: every shard's)."""
+    replica (vLLM's engine core and its `tp_size` workers are the replica's subprocesses: every shard's; on vLLM's
+    Ray executor the workers reserve theirs in the replica's placement group, `replica_placement`)."""
+    if ray_executor(target):
+        return {"num_cpus": coordinator_cpus}
     shards = target.tp_size if target.engine == "vllm" else (1 if target.in_replica else 0)
     options = {"num_cpus": coordinator_cpus + target.resources.get("num_cpus", 1.0) * shards}
     if shards and target.resources.get("num_gpus"):
         options["num_gpus"] = target.resources["num_gpus"] * shards
     return options
+
+
+def ray_executor(target: TargetSetup) -> bool:
+    """The target runs on vLLM's Ray executor (`engine_kwargs.distributed_executor_backend: ray`)."""
+    return target.engine == "vllm" and target.engine_kwargs.get("distributed_executor_backend") == "ray"
+
+
+def replica_placement(target: TargetSetup, coordinator_cpus: float) -> dict[str, Any]:
+    """On vLLM's Ray executor, the replica's placement group, as Ray Serve LLM places vLLM: the first bundle hosts
+    the replica, one bundle per tensor-parallel worker follows it (`target.resources`), and vLLM's workers are Ray
+    actors in those; Serve removes it with the replica. Other units need none ({})."""
+    if not ray_executor(target):
+        return {}
+    worker = {"CPU": target.resources.get("num_cpus", 1.0) or 1.0}  # the CPU platform counts CPUs as its device
+    if target.resources.get("num_gpus"):
+        worker["GPU"] = target.resources["num_gpus"]
+    replica = {"CPU": coordinator_cpus or 0.001}  # a bundle cannot be empty: a replica reserving no CPU gets a sliver
+    return {"placement_group_bundles": [replica, *(dict(worker) for _ in range(target.tp_size))],
+            "placement_group_strategy": target.placement_strategy}

@@ -48,6 +48,7 @@ def decoder_options(config: SpecServeConfig) -> dict[str, Any]:
         # Loading a model (and, on first use, converting the embedded GGUF) takes a while.
         health_check_timeout_s=120,
     )
+    options.update(replica_placement(config))
     if scaling.enabled:
         options["autoscaling_config"] = scaling.to_serve()
     else:
@@ -61,6 +62,14 @@ def replica_resources(config: SpecServeConfig) -> dict[str, float]:
     from cluster.serving.decoder import unit_setup
 
     return unit_resources(unit_setup(config)["target"], config.unit.num_cpus)
+
+
+def replica_placement(config: SpecServeConfig) -> dict[str, Any]:
+    """The decoder replica's placement group options, if its unit needs one (`actors.unit.replica_placement`)."""
+    from actors.unit import replica_placement as unit_placement
+    from cluster.serving.decoder import unit_setup
+
+    return unit_placement(unit_setup(config)["target"], config.unit.num_cpus)
 
 
 def ingress_options(config: SpecServeConfig) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import load_config
-from cluster.serving.app import replica_resources
+from cluster.serving.app import decoder_options, replica_resources
 from cluster.serving.decoder import unit_setup
 
 
@@ -36,3 +36,15 @@ def test_a_replica_holding_the_target_reserves_its_resources():
     gpu = _config(process="replica", resources=config.target.resources.model_copy(update={"num_gpus": 1.0}))
     assert replica_resources(gpu)["num_gpus"] == 1.0
     assert replica_resources(_config(process="actor")) == {"num_cpus": config.unit.num_cpus}
+
+
+def test_on_vllms_ray_executor_the_replica_places_its_workers_in_its_placement_group():
+    config = load_config("configs/local-vllm.yaml")
+    resources = config.target.resources.model_copy(update={"num_cpus": 0.5})
+    target = config.target.model_copy(update={"tensor_parallel_size": 2, "resources": resources,
+                                              "engine_kwargs": {"distributed_executor_backend": "ray"}})
+    options = decoder_options(config.model_copy(update={"target": target}))
+    assert options["ray_actor_options"] == {"num_cpus": config.unit.num_cpus}  # the workers reserve their own
+    assert options["placement_group_bundles"] == [{"CPU": config.unit.num_cpus}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert options["placement_group_strategy"] == target.placement_strategy
+    assert "placement_group_bundles" not in decoder_options(config)  # multiprocessing: the replica holds them

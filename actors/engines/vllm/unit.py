@@ -49,8 +49,8 @@ def engine_args(setup: TargetSetup, drafter: DrafterSetup, policy: dict[str, Any
     args: dict[str, Any] = dict(
         model=model_dir, tokenizer=model_dir, dtype=setup.dtype, tensor_parallel_size=setup.tp_size,
         max_model_len=max_seq_len, max_num_seqs=setup.max_slots, seed=0,
-        # mp: the workers are the replica's subprocesses on its own GPUs; vLLM would pick its Ray executor inside
-        # a Ray process (engine_kwargs may choose it, with the placement it needs)
+        # mp: the workers are the replica's subprocesses on its own devices; engine_kwargs may choose "ray", vLLM's
+        # Ray executor, with the workers Ray actors in the unit's placement group (actors.remote.vllm_ray)
         worker_extension_cls=EXTENSION, distributed_executor_backend="mp",
         additional_config={"specserve": {
             "unit": unit, "policy": policy, "policy_actor": policy_actor, "record_asd": record_asd,
@@ -104,11 +104,13 @@ class VllmUnit:
         self._rebuild: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the private loop of the *_sync helpers
         self._closed = False
+        self._placement = None  # a placement group the unit made for vLLM's Ray workers (removed on close)
 
     # --- engine lifecycle --------------------------------------------------------------------------------
     def start(self) -> VllmUnit:
         """Start vLLM's engine (blocking); `EngineStartError` with vLLM's error when it does not start."""
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from actors.engines.vllm import PARENT_DEATH_ENV
@@ -118,8 +120,20 @@ class VllmUnit:
         os.environ[PARENT_DEATH_ENV] = "1"  # vLLM's processes end with this one (plugin._die_with_parent)
         with tempfile.NamedTemporaryFile("r", prefix="specserve-vllm-", suffix=".log") as errors:
             os.environ[ERRORS_ENV] = errors.name  # vLLM's processes log their errors there (plugin._report_errors)
+            args, placement, saved = dict(self.args), None, {}
             try:
-                self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.args))
+                if args.get("distributed_executor_backend") == "ray":  # vLLM's engine core inherits the Ray env
+                    from actors.remote.vllm_ray import ray_placement
+
+                    placement, self._placement, env = ray_placement(self.unit, self.setup.tp_size, args,
+                                                                    self._placement)
+                    saved = {key: os.environ.get(key) for key in env}
+                    os.environ.update(env)
+                engine_args = AsyncEngineArgs(**args)
+                config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+                config.parallel_config.placement_group = placement or config.parallel_config.placement_group
+                self.engine = AsyncLLM.from_vllm_config(config, enable_log_requests=engine_args.enable_log_requests,
+                                                        disable_log_stats=engine_args.disable_log_stats)
             except Exception as err:
                 if self.generation == 0:  # a unit that never started keeps nothing (a rebuild keeps its drafter)
                     self._kill_drafter()
@@ -127,6 +141,8 @@ class VllmUnit:
                                        f"{_cause(errors.read()) or _root(err)}") from err
             finally:
                 os.environ.pop(ERRORS_ENV, None)
+                for key, value in saved.items():
+                    os.environ.pop(key) if value is None else os.environ.update({key: value})
         self.generation += 1
         log.info("unit %s: vLLM engine %d ready (%s)", self.unit, self.generation, self.setup.source)
         return self
@@ -193,6 +209,11 @@ class VllmUnit:
         if self.drafter_actor is not None:
             kill_drafter(self.drafter_actor)
             self.drafter_actor = None
+        if self._placement is not None:
+            from actors.remote.vllm_ray import remove_placement
+
+            remove_placement(self._placement)
+            self._placement = None
 
     # --- requests ----------------------------------------------------------------------------------------
     def active_requests(self) -> list[str]:
