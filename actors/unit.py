@@ -9,6 +9,7 @@ in its own actor; off Ray (or `in_replica`), the engine in the caller's process.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, Sequence
 
@@ -20,6 +21,8 @@ from actors.setup import TargetSetup
 from actors.sources import context_length
 from actors.stats import LoopObserver
 from actors.target import LocalTarget
+
+log = logging.getLogger(__name__)
 
 
 class Unit(Protocol):
@@ -71,6 +74,12 @@ def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = Drafte
         if torch_threads:
             torch.set_num_threads(torch_threads)
         model, _ = load_model(target.source, target.dtype, target.device)
+        if target.dtype == "bfloat16" and target.device == "cpu":
+            from actors.engines.native.invariance import bf16_batch_invariant
+
+            if bf16_batch_invariant() is False:
+                log.warning("unit %s: bf16 rows depend on the batch on this CPU (measured at start): speculative "
+                            "output may differ from target-only; float32 keeps greedy identity", unit)
         target_backend = LocalTarget(Engine(model, target.max_slots, max_seq_len))
         if on_ray and drafter.kind == "model":
             from actors.remote.unit import remote_drafter

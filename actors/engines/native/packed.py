@@ -12,6 +12,7 @@ docs/architecture.md, "The native engine".
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +44,24 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+ISA_FOR_INVARIANCE = "AVX512_CORE_BF16"  # oneDNN's AMX bf16 kernels split the reduction by row count; these do not
+
+
+def pin_onednn_isa() -> None:
+    """Cap oneDNN at AVX512-BF16 on a CPU with native bf16, unless the user set ONEDNN_MAX_CPU_ISA: with AMX, a
+    bf16 GEMM row's bits depend on how many rows share it, which breaks the packed path's batch invariance.
+    oneDNN reads the cap once, at its first use in the process, so this runs when the module is imported."""
+    if cpu_has_native_bf16():
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ISA_FOR_INVARIANCE)
+
+
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the packed path applies: bfloat16 weights on a CPU with native bf16 and oneDNN."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and cpu_has_native_bf16())
+
+
+pin_onednn_isa()
 
 
 class PackedLinear(nn.Module):
