@@ -57,6 +57,7 @@ class Coordinator:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle_sync: asyncio.Future | None = None
 
     @classmethod
     def local(cls, engine: Engine, drafter, policy, **kwargs) -> Coordinator:
@@ -143,6 +144,8 @@ class Coordinator:
         }
 
     async def stop(self) -> None:
+        if self._idle_sync is not None and not self._idle_sync.done():  # the loop ends: let the last report out
+            await asyncio.wait([self._idle_sync], timeout=1.0)
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
@@ -163,7 +166,7 @@ class Coordinator:
         while True:
             if not self.scheduler.busy():
                 self._wake.clear()
-                self.policy.flush()  # going idle: what the last rounds observed reaches the authority
+                self._sync_when_idle()
                 await self._wake.wait()
             try:
                 await self._apply_aborts()
@@ -179,6 +182,12 @@ class Coordinator:
             except Exception as exc:  # a failed part of the unit fails its in-flight requests, never hangs them
                 log.exception("unit %s: round failed", self.unit)
                 await self._fail_all(exc)
+
+    def _sync_when_idle(self) -> None:
+        """Going idle: what the last rounds observed and closed reaches the authority, also when a report is still
+        in flight (then it goes once that one is answered), without holding up the next request."""
+        if self._idle_sync is None or self._idle_sync.done():
+            self._idle_sync = asyncio.ensure_future(self.policy.synced())
 
     async def _apply_aborts(self) -> None:
         waiting, active = self.scheduler.take_aborted()
