@@ -9,6 +9,8 @@
   it a little before Serve's proxy would (`deadline_s`), so the client gets a 408 with OpenAI's error body
   (or an SSE error event and `[DONE]`), never a cut connection, and the unit frees the sequence. The proxy's
   own timeout stays as the backstop; a client cannot lift this one with Serve's `x-request-timeout-seconds`.
+- **Client gone**: `ClosingStreamingResponse` closes its body generator however the response ends, so the
+  generator's cleanup (cancelling the unit's stream: KV and ledger freed) never waits for garbage collection.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from fastapi.responses import StreamingResponse
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
@@ -68,3 +71,20 @@ def unit_lost(err: BaseException) -> APIError:
     return APIError(f"the decoder unit serving this request went away ({type(err).__name__}); send it again",
                     status=503, type="server_error", code="unit_unavailable",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A `StreamingResponse` whose body generator is closed when the response ends, however it ends.
+
+    A client that disconnects cancels the response's task. Where the cancellation lands in `send`, the body
+    generator is left suspended at a `yield` and its `finally` would run only when the generator is collected.
+    Closing it here runs that cleanup at once.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)  # an async generator's; Starlette's own wrappers
+            if close is not None:
+                await close()

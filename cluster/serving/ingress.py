@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,7 +31,14 @@ from cluster.serving import openapi
 from cluster.serving.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError
 from cluster.serving.audit import AuditRunner, AuditSampler
 from cluster.serving.decoder import DecodeJob, Finished, TextDelta, UnitStarted, policy_actor_name, policy_kwargs
-from cluster.serving.failures import UNIT_LOST, Deadline, deadline_s, unit_failed, unit_lost
+from cluster.serving.failures import (
+    UNIT_LOST,
+    ClosingStreamingResponse,
+    Deadline,
+    deadline_s,
+    unit_failed,
+    unit_lost,
+)
 from cluster.serving.guard import GuardPolicy, RequestGuard
 from cluster.serving.protocol import (
     APIError,
@@ -210,7 +217,7 @@ class OpenAIIngress:
         headers = {ARM_RESPONSE_HEADER: arm.name}
         if body.stream:
             stream = self._stream(job, events, body, deadline, chat=chat)
-            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            return ClosingStreamingResponse(stream, media_type="text/event-stream", headers=headers)
         text, finished = [], None
         try:
             async for event in deadline.timed(events):

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from cluster.serving.failures import Deadline, deadline_s, unit_failed, unit_lost
+from cluster.serving.failures import ClosingStreamingResponse, Deadline, deadline_s, unit_failed, unit_lost
 
 
 def test_the_ingress_answers_before_the_proxy():
@@ -48,3 +48,37 @@ def test_failed_and_lost_units_are_retryable_503s():
         assert error.status == 503 and error.headers["Retry-After"] == "1"
         assert body["code"] == code and body["type"] == "server_error"
         assert set(body) == {"message", "type", "param", "code"}
+
+
+def test_a_client_gone_during_a_send_still_runs_the_streams_cleanup():
+    """The disconnect's cancellation lands in `send`, outside the body generator: its `finally` runs at once."""
+    cleaned = []
+
+    async def body():
+        try:
+            for i in range(10):
+                yield f"data: {i}\n\n"
+        finally:
+            cleaned.append(True)
+
+    async def run():
+        sent, stalled = [], asyncio.Event()
+
+        async def send(message):
+            sent.append(message)
+            if len(sent) == 3:  # start, first chunk, then the client stops reading
+                stalled.set()
+                await asyncio.Event().wait()
+
+        async def receive():
+            await asyncio.Event().wait()
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        task = asyncio.ensure_future(ClosingStreamingResponse(body())(scope, receive, send))
+        await stalled.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return cleaned[:]  # before the loop ends (which would finalize a forgotten generator anyway)
+
+    assert asyncio.run(run()) == [True]
