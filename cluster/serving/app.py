@@ -23,6 +23,7 @@ from cluster.serving.ingress import OpenAIIngress
 
 DECODER_DEPLOYMENT = "DecoderUnit"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+HEALTH_CHECK_PERIOD_S = 2.0  # how often Serve asks a decoder replica whether its unit can serve
 
 
 def resolve_config(value: Any) -> SpecServeConfig:
@@ -47,6 +48,9 @@ def decoder_options(config: SpecServeConfig) -> dict[str, Any]:
         ray_actor_options=replica_resources(config),
         # Loading a model (and, on first use, converting the embedded GGUF) takes a while.
         health_check_timeout_s=120,
+        # A dead replica is found by its failed health check: more often than Serve's 10 s, so its traffic waits
+        # less for the replacement (the check only asks the unit whether its engine is up).
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
     options.update(replica_placement(config))
     if scaling.enabled:

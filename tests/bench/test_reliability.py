@@ -36,6 +36,7 @@ def test_the_client_sees_clean_ends_through_every_fault(ray_cluster, tiny_llama_
         result = run_faults(APP, url, "tiny", prompts, requests=40, concurrency=8, lengths=(8, 24, 48),
                             arms=("exact", "asd"), exact_arm="exact", timeout_s=60.0)
     report = json.dumps(result, indent=1, default=str)
+    print(report)  # the recovery figures, in the log of a passing run too
     assert [f["fault"] for f in result["faults"]] == list(FAULTS), report
     assert result["completed"] + result["errored"] == 40 and result["completed"] > 0, report
     # outcomes only: the 30-s recovery goal is the bench's to measure and report (a slower machine took 30.6 s
@@ -44,4 +45,6 @@ def test_the_client_sees_clean_ends_through_every_fault(ray_cluster, tiny_llama_
     assert goals == {"none_lost_or_hung": True, "greedy_identical": True, "ledgers_within_budget": True,
                      "nothing_leaked": True}, report
     assert all(f["recovery_s"] is not None for f in result["faults"]), report
-    assert set(result["error_codes"]) <= {"unit_failed", "unit_unavailable", "queue_full"}, report
+    # clean ends only: a 503 (unit failed or gone, queue full) or a 408 for a request that waited out the replica's
+    # restart past its deadline (CI once took 70 s to replace the replica; a 60-s deadline then answers 408)
+    assert set(result["error_codes"]) <= {"unit_failed", "unit_unavailable", "queue_full", "request_timeout"}, report
