@@ -1,14 +1,16 @@
 """Approximate Speculative Decoding (ASD): greedy verification that may keep near-miss draft tokens.
 
 `verify_asd_scores(draft_ids, scores, ledgers, config)` keeps a mismatch x_i ≠ y*_i only when its regret
-r_i = z_i(y*_i) − z_i(x_i) passes the gate r_i / v_i ≤ g, the block's cap M and the request's remaining budget,
-and charges each relaxed token to its row's `RegretLedger` with a `LedgerEvent`; the rule and its terms are
-docs/architecture.md, "Terms". Budget 0, g = 0 or M = 0 give exactly `verify_greedy`.
+r_i = z_i(y*_i) − z_i(x_i) passes the gate, the block's cap M and the request's remaining budget, and charges
+each relaxed token to its row's `RegretLedger` with a `LedgerEvent`. The gate is the paper's r_i ≤ g · q_i with
+q_i = K_b − i (`gate="remaining"`, the default) or r_i ≤ g · q_i / K_b (`gate="fraction"`); the rule and its
+terms are docs/architecture.md, "Terms". Budget 0, g = 0 or M = 0 give exactly `verify_greedy`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -18,18 +20,24 @@ from policies.ledger import LedgerEvent, RegretLedger
 from policies.scores import TargetScores, compact_scores
 from policies.verdict import Verdict, accepted_prefix, assemble_tokens, check_draft, positions
 
-__all__ = ["ASDConfig", "LedgerEvent", "RegretLedger", "verify_asd", "verify_asd_scores"]
+__all__ = ["ASDConfig", "Gate", "LedgerEvent", "RegretLedger", "verify_asd", "verify_asd_scores"]
+
+Gate = Literal["remaining", "fraction"]
+"""How the gate weighs position i of a block of K_b: by q_i = K_b − i (the paper's) or by q_i / K_b."""
 
 
 @dataclass(frozen=True)
 class ASDConfig:
-    """One ASD arm's verification setting: `ASDConfig(g, max_relaxed_per_block, budget)`."""
+    """One ASD arm's verification setting: `ASDConfig(g, max_relaxed_per_block, budget, gate="remaining")`."""
 
-    g: float = Field(ge=0, description="Gate: a mismatch needs regret / value ≤ g. 0 disables relaxation.")
+    g: float = Field(ge=0, description="Gate: a mismatch at position i needs r_i ≤ g · q_i (or g · q_i / K_b with "
+                     "gate 'fraction'), q_i = K_b − i. 0 disables relaxation.")
     max_relaxed_per_block: int = Field(ge=0, description="M: most relaxed tokens in one block. 0 disables.")
     budget: float = Field(
         ge=0, allow_inf_nan=False, description="B: regret each request may spend in total (its ledger's budget)."
     )
+    gate: Gate = Field("remaining", description="'remaining': r_i ≤ g · (K_b − i), the paper's gate; 'fraction': "
+                       "r_i ≤ g · (K_b − i) / K_b, the allowance a share of the block.")
 
     def new_ledger(self, request_id: str | None = None) -> RegretLedger:
         """A fresh ledger with this arm's budget."""
@@ -76,7 +84,11 @@ def verify_asd_scores(
         spent_before = torch.cat([torch.zeros(len(ledgers), 1, dtype=torch.float64, device=device),
                                   spent_incl[:, :-1]], dim=1)  # [B, K]
         block_len = lens[:, None].double()  # [B, 1]
-        gate = regret * block_len <= config.g * (block_len - pos)  # r_i / v_i ≤ g, with v_i > 0 where valid
+        left = block_len - pos  # [B, K], q_i = K_b − i, > 0 where valid
+        if config.gate == "remaining":
+            gate = regret <= config.g * left  # [B, K], r_i / q_i ≤ g
+        else:
+            gate = regret * block_len <= config.g * left  # [B, K], r_i / (q_i / K_b) ≤ g
         cap = mismatch.long().cumsum(dim=1) <= config.max_relaxed_per_block  # [B, K]
         funded = (remaining[:, None] - spent_before > 0) & (spent_incl <= remaining[:, None])  # [B, K]
         keep = valid & (~mismatch | (gate & cap & funded))  # [B, K]
@@ -88,7 +100,7 @@ def verify_asd_scores(
     block_regret = torch.where(num_accepted > 0, spent_incl.gather(1, last_kept).squeeze(1), 0.0)  # [B]
     last = scores.argmax_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
 
-    _charge(ledgers, draft_ids, target, regret, relaxed, block_regret, lens)
+    _charge(ledgers, draft_ids, target, regret, relaxed, block_regret, lens, config.gate)
     return Verdict(
         tokens=assemble_tokens(draft_ids, num_accepted, last),
         num_accepted=num_accepted,
@@ -105,6 +117,7 @@ def _charge(
     relaxed: torch.Tensor,  # [B, K] bool
     block_regret: torch.Tensor,  # [B] float64
     lens: torch.Tensor,  # [B]
+    gate: Gate,
 ) -> None:
     """Write one block to every ledger whose row had a block, with an event per relaxed token."""
     events: dict[int, list[LedgerEvent]] = {}
@@ -114,7 +127,7 @@ def _charge(
         xs, ys, rs = draft_ids.tolist(), target.tolist(), regret.tolist()
         for b, i in relaxed_at:
             k_b = lens_list[b]
-            event = LedgerEvent(ledgers[b].blocks, i, xs[b][i], ys[b][i], rs[b][i], (k_b - i) / k_b)
+            event = LedgerEvent(ledgers[b].blocks, i, xs[b][i], ys[b][i], rs[b][i], k_b - i, k_b, gate)
             events.setdefault(b, []).append(event)
     for b, (ledger, k_b, spent) in enumerate(zip(ledgers, lens_list, block_regret.tolist())):
         if k_b > 0:

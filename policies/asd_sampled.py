@@ -1,7 +1,8 @@
 """Approximate speculative decoding for sampled requests: speculative sampling with a per-position allowance.
 
-A funded position i accepts x_i with probability min(1, e^{ε_i} p/q), ε_i = min(g · v_i, B) nats, and charges
-its cost c_i to the request's `RegretLedger`; every other position runs the exact test. Then no output sequence
+A funded position i accepts x_i with probability min(1, e^{ε_i} p/q), ε_i = min(g · (K_b − i) / K_b, B) nats
+(the "fraction" form whatever the arm's `gate`: docs/asd-sampled.md says why), and charges its cost c_i to the
+request's `RegretLedger`; every other position runs the exact test. Then no output sequence
 is more than e^B times as likely as under the target, and B = 0, g = 0 or M = 0 give `verify_sampled` token for
 token for the same draws. Terms, proofs and wiring: docs/asd-sampled.md.
 
@@ -46,7 +47,7 @@ class SampledScores:
     accept_exact: torch.Tensor  # [B, K] bool, u_i · q_i(x_i) < p_i(x_i)
     accept_relaxed: torch.Tensor  # [B, K] bool, u_i · q_i(x_i) < e^{ε_i} · p_i(x_i), or accept_exact
     cost: torch.Tensor  # [B, K] float64, c_i = min(ε_i, log(q_i(x_i) / p_i(x_i))) if q_i(x_i) > p_i(x_i), else 0
-    allowance: torch.Tensor  # [B, K] float64, ε_i = min(g · v_i, B)
+    allowance: torch.Tensor  # [B, K] float64, ε_i = min(g · (K_b − i) / K_b, B)
     recovered: torch.Tensor  # [B, K] long, sample of norm(max(0, p_i − q_i)) where a block can stop, else PAD
     bonus: torch.Tensor  # [B] long, sample of p_{K_b}
 
@@ -269,7 +270,7 @@ def _charge(
     for b, i, x, y, cost in zip(rows.tolist(), cols.tolist(), draft_ids[rows, cols].tolist(), exact_token.tolist(),
                                 scores.cost[rows, cols].tolist()):
         k_b = lens_list[b]
-        events.setdefault(b, []).append(LedgerEvent(ledgers[b].blocks, i, x, y, cost, (k_b - i) / k_b))
+        events.setdefault(b, []).append(LedgerEvent(ledgers[b].blocks, i, x, y, cost, k_b - i, k_b, "fraction"))
     for b, (ledger, k_b, spent) in enumerate(zip(ledgers, lens_list, block_cost.tolist())):
         if k_b > 0:
             ledger.charge_block(events.get(b, ()), spent)

@@ -339,7 +339,8 @@ def test_decision_matches_reference_and_never_overspends(case):
             ]
             for event in new_events:
                 i = event.position
-                assert event.value == (lens[b] - i) / lens[b] and event.draft_token == draft[b, i].item()
+                assert (event.remaining, event.block_len, event.gate) == (lens[b] - i, lens[b], "fraction")
+                assert event.draft_token == draft[b, i].item()
                 exact_token = draft[b, i] if scores.accept_exact[b, i] else scores.recovered[b, i]
                 assert event.target_token == exact_token.item()
 
@@ -361,7 +362,7 @@ def test_sampled_rounds_never_overspend(seed, g, m, budget):
         assert 0 <= ledger.spent <= ledger.budget and ledger.remaining >= 0
         assert ledger.spent == pytest.approx(sum(e.regret for e in ledger.events), abs=1e-9)
         assert ledger.spent == pytest.approx(charged, rel=1e-5)
-        assert all(0 < e.regret <= min(g * e.value, budget) + 1e-12 for e in ledger.events)
+        assert all(0 < e.regret <= min(g * e.weight, budget) + 1e-12 for e in ledger.events)
 
 
 def _request_rounds(ledgers, config, seeds, rounds=30):
@@ -464,7 +465,7 @@ def test_funding_cap_budget_and_prefix_by_hand():
     # M = 3 is reached, so the exact rule decides it, rejects, and its recovered token is emitted.
     assert verdict.emitted() == [[1, 2, 3, 8]] and verdict.num_relaxed.tolist() == [3]
     assert ledger.spent == 2.25 and verdict.regret.tolist() == [2.25]
-    assert [(e.position, e.draft_token, e.target_token, e.regret, e.value) for e in ledger.events] == [
+    assert [(e.position, e.draft_token, e.target_token, e.regret, e.weight) for e in ledger.events] == [
         (0, 1, 5, 1.0, 1.0), (1, 2, 6, 1.0, 0.75), (2, 3, 7, 0.25, 0.5)]
     # Next block: 0.75 left. Position 0 (ε = 2) does not fit, so no position of the block is funded, not even
     # position 3 (ε = 0.5), which alone would fit: funding is a prefix.
@@ -472,6 +473,14 @@ def test_funding_cap_budget_and_prefix_by_hand():
     verdict = verify_asd_sampled_scores(draft, scores, [ledger], config)
     assert verdict.emitted() == [[1, 2, 3, 8]] and verdict.num_relaxed.tolist() == [0]
     assert ledger.spent == 2.25 and ledger.blocks == 2 and len(ledger.events) == 3
+
+
+def test_the_allowance_is_the_fraction_form_whatever_the_arm_gate():
+    """ε_i = min(g · (K_b − i) / K_b, B) under both gate forms (docs/asd-sampled.md, "Definition")."""
+    lens = torch.tensor([4, 2, 0])
+    for gate in ("remaining", "fraction"):
+        allowance = relaxation_allowance(ASDConfig(2.0, 1, 10.0, gate), lens, 4)
+        assert allowance.tolist() == [[2.0, 1.5, 1.0, 0.5], [2.0, 1.0, 0.0, 0.0], [0.0] * 4]
 
 
 def test_exact_accepts_at_funded_positions_cost_their_log_ratio():
@@ -482,7 +491,7 @@ def test_exact_accepts_at_funded_positions_cost_their_log_ratio():
     ledger = config.new_ledger()
     verdict = verify_asd_sampled_scores(torch.tensor([[1, 2]]), scores, [ledger], config)
     assert verdict.emitted() == [[1, 2, 4]] and verdict.num_relaxed.tolist() == [1]
-    assert ledger.events == (LedgerEvent(0, 1, 2, 2, 0.125, 0.5),)
+    assert ledger.events == (LedgerEvent(0, 1, 2, 2, 0.125, 1, 2, "fraction"),)
 
 
 def test_rows_without_a_block_emit_the_bonus_and_record_nothing():

@@ -1,4 +1,4 @@
-"""ASD: the gate, the per-block cap, the persistent budget, suffix reuse, ledger isolation, bad input."""
+"""ASD: the gate (both forms), the per-block cap, the persistent budget, suffix reuse, ledger isolation, bad input."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_relaxed_mismatch_and_suffix_reuse():
     assert verdict.emitted() == [[1, 9, 3, 4, 5]]
     assert verdict.num_accepted.tolist() == [4] and verdict.num_relaxed.tolist() == [1]
     assert verdict.regret.tolist() == pytest.approx([0.5])
-    assert ledger.events == (LedgerEvent(block=0, position=1, draft_token=9, target_token=2, regret=0.5, value=0.75),)
+    assert ledger.events == (LedgerEvent(block=0, position=1, draft_token=9, target_token=2, regret=0.5, remaining=3,
+                                         block_len=4, gate="remaining"),)
     assert ledger.spent == pytest.approx(0.5) and ledger.remaining == pytest.approx(4.5)
     assert ledger.blocks == 1
     assert ledger.summary() == {
@@ -47,16 +48,33 @@ def test_relaxed_mismatch_and_suffix_reuse():
     }
 
 
-def test_gate_uses_the_value_of_the_position():
+def test_the_paper_gate_weighs_a_position_by_the_proposal_left():
+    """r_i ≤ g · q_i, q_i = K − i: at position 0 of K = 4 a regret up to 4·g passes, at position 2 up to 2·g."""
     config = ASDConfig(g=1.0, max_relaxed_per_block=4, budget=10.0)
-    # Position 0 of K=4: v = 1, r / v = 0.8 ≤ 1 passes.
+    assert config.gate == "remaining"
+    assert run([1, 2, 3, 4, 5], [7, 2, 3, 4], {0: 3.9}, config, RegretLedger(10.0)).num_accepted.tolist() == [4]
+    ledger = RegretLedger(10.0)
+    assert run([1, 2, 3, 4, 5], [1, 2, 7, 4], {2: 2.5}, config, ledger).emitted() == [[1, 2, 3]]
+    assert ledger.spent == 0 and ledger.events == ()
+    # Exactly on the gate passes: position 2, r = 2 = g · q_2; the event records q_2 and K.
+    ledger = RegretLedger(10.0)
+    assert run([1, 2, 3, 4, 5], [1, 2, 7, 4], {2: 2.0}, config, ledger).num_accepted.tolist() == [4]
+    assert [(e.remaining, e.block_len, e.gate, e.weight) for e in ledger.events] == [(2, 4, "remaining", 2)]
+
+
+def test_the_fraction_gate_weighs_a_position_by_its_share_of_the_block():
+    config = ASDConfig(g=1.0, max_relaxed_per_block=4, budget=10.0, gate="fraction")
+    # Position 0 of K=4: v = 1, r / v = 0.8 ≤ 1 passes; 3.9 (the paper's gate would pass it) does not.
+    assert run([1, 2, 3, 4, 5], [7, 2, 3, 4], {0: 3.9}, config, RegretLedger(10.0)).num_accepted.tolist() == [0]
     assert run([1, 2, 3, 4, 5], [7, 2, 3, 4], {0: 0.8}, config, RegretLedger(10.0)).num_accepted.tolist() == [4]
     # Position 2 of K=4: v = 0.5, r / v = 1.6 > 1: the gate rejects and the target's token is emitted.
     ledger = RegretLedger(10.0)
     verdict = run([1, 2, 3, 4, 5], [1, 2, 7, 4], {2: 0.8}, config, ledger)
     assert verdict.emitted() == [[1, 2, 3]] and ledger.spent == 0 and ledger.events == ()
     # Exactly on the gate passes: position 2, r = 0.5, r / v = 1.0.
-    assert run([1, 2, 3, 4, 5], [1, 2, 7, 4], {2: 0.5}, config, RegretLedger(10.0)).num_accepted.tolist() == [4]
+    ledger = RegretLedger(10.0)
+    assert run([1, 2, 3, 4, 5], [1, 2, 7, 4], {2: 0.5}, config, ledger).num_accepted.tolist() == [4]
+    assert [(e.remaining, e.block_len, e.gate, e.weight) for e in ledger.events] == [(2, 4, "fraction", 0.5)]
 
 
 def test_cap_binds():
@@ -89,8 +107,10 @@ def test_block_regret_must_fit_the_remaining_budget():
     assert verdict.emitted() == [[7, 2]] and ledger.spent == pytest.approx(0.6)
 
 
-@pytest.mark.parametrize("config", [ASDConfig(1.0, 2, 0.0), ASDConfig(0.0, 2, 5.0), ASDConfig(1.0, 0, 5.0)])
-def test_disabled_settings_equal_greedy_ties_included(config):
+@pytest.mark.parametrize("gate", ["remaining", "fraction"])
+@pytest.mark.parametrize("g, m, budget", [(1.0, 2, 0.0), (0.0, 2, 5.0), (1.0, 0, 5.0)])
+def test_disabled_settings_equal_greedy_ties_included(g, m, budget, gate):
+    config = ASDConfig(g, m, budget, gate)
     gen = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 4, (32, 6, 8), generator=gen).float()  # [B, K+1, V]: many ties
     draft = torch.where(
@@ -113,14 +133,15 @@ def test_ledgers_do_not_leak_between_requests():
     assert len(a.events) == 1 and len(b.events) == 1
 
 
-def test_ragged_batch_equals_per_row_calls_and_value_uses_row_k():
+@pytest.mark.parametrize("gate", ["remaining", "fraction"])
+def test_ragged_batch_equals_per_row_calls_and_events_use_row_k(gate):
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(5, 5, V, generator=gen)  # [B, K+1, V]
     draft = logits[:, :4].argmax(-1)
     draft[:, 1] = logits[:, 1].topk(2).indices[:, 1]  # a near miss at position 1 of every row
     lens = torch.tensor([4, 2, 0, 3, 1])
     draft[torch.arange(4)[None, :] >= lens[:, None]] = PAD_TOKEN_ID
-    config = ASDConfig(g=3.0, max_relaxed_per_block=2, budget=2.0)
+    config = ASDConfig(g=3.0, max_relaxed_per_block=2, budget=2.0, gate=gate)
     ledgers = [RegretLedger(2.0, str(b)) for b in range(5)]
     alone = copy.deepcopy(ledgers)
     batched = verify_asd(draft, logits, ledgers, config, draft_lens=lens)
@@ -134,7 +155,7 @@ def test_ragged_batch_equals_per_row_calls_and_value_uses_row_k():
         assert alone[b].events == ledgers[b].events
     for ledger, k_b in zip(ledgers, lens.tolist()):
         for event in ledger.events:
-            assert event.value == (k_b - event.position) / k_b
+            assert (event.remaining, event.block_len, event.gate) == (k_b - event.position, k_b, gate)
 
 
 def test_scores_path_is_identical():
@@ -170,9 +191,11 @@ def test_failed_calls_charge_nothing():
 @pytest.mark.parametrize("kwargs", [dict(g=-0.1, max_relaxed_per_block=1, budget=1.0),
                                     dict(g=1.0, max_relaxed_per_block=-1, budget=1.0),
                                     dict(g=1.0, max_relaxed_per_block=1, budget=-1.0),
-                                    dict(g=1.0, max_relaxed_per_block=1, budget=float("inf"))])
+                                    dict(g=1.0, max_relaxed_per_block=1, budget=float("inf")),
+                                    dict(g=1.0, max_relaxed_per_block=1, budget=1.0, gate="remaining-share")])
 def test_bad_config_raises_value_error(kwargs):
-    with pytest.raises(ValueError, match=next(k for k, v in kwargs.items() if v in (-0.1, -1, -1.0, float("inf")))):
+    bad = (-0.1, -1, -1.0, float("inf"), "remaining-share")
+    with pytest.raises(ValueError, match=next(k for k, v in kwargs.items() if v in bad)):
         ASDConfig(**kwargs)
 
 
@@ -183,7 +206,8 @@ def test_bad_ledger_budget(budget):
 
 
 def test_positional_config():
-    assert ASDConfig(0.5, 2, 3.0) == ASDConfig(g=0.5, max_relaxed_per_block=2, budget=3.0)
+    assert ASDConfig(0.5, 2, 3.0) == ASDConfig(g=0.5, max_relaxed_per_block=2, budget=3.0, gate="remaining")
+    assert ASDConfig(0.5, 2, 3.0, "fraction") != ASDConfig(0.5, 2, 3.0)
 
 
 def test_ledger_pickles_and_events_are_frozen():
