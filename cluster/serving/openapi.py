@@ -1,12 +1,14 @@
 """The served app's OpenAPI document: every route's responses declared, errors and streams included.
 
-FastAPI derives request schemas from `cluster.serving.protocol`; what it cannot know is declared here: the
-bodies of successful answers (`Completion`, `ChatCompletion`, ...), the SSE stream a `stream: true` request
-gets instead, every error status a route can answer with (all OpenAI's `{"error": {...}}`), and what only
-the running config knows: the one served model id, the arms the `x-specserve-arm` header may force, and,
-with API keys, the bearer scheme on each route that needs one. The document is what a client generator or
-a fuzzer (schemathesis, in the tests and `specserve bench --section reliability`) reads, so a response
-that does not match it is a bug of the server or of this page.
+FastAPI derives request schemas from `cluster.serving.protocol`, strict ones: unknown fields are refused
+(`additionalProperties: false`), and a field the server refuses (`cluster.serving.fields`) is declared only at
+its neutral values, so every body the server accepts is one the document declares. What FastAPI cannot know is
+declared here: the bodies of successful answers (`Completion`, `ChatCompletion`, ...), the SSE stream a
+`stream: true` request gets instead, every error status a route can answer with (all OpenAI's `{"error": {...}}`), and
+what only the running config knows: the one served model id, the arms the `x-specserve-arm` header may force,
+and, with API keys, the bearer scheme on each route that needs one. The document is what a client generator or a
+fuzzer (schemathesis, in the tests and `specserve bench --section reliability`) reads, so a response that does
+not match it is a bug of the server or of this page.
 """
 
 from __future__ import annotations

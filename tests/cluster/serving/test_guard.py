@@ -117,5 +117,10 @@ def test_openapi_declares_every_answer():
     completion = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     assert completion["model"]["enum"] == ["m"]
     assert {"type": "integer", "minimum": 1, "maximum": 64} in completion["max_tokens"]["anyOf"]
+    schemas = doc["components"]["schemas"]  # strict, and refused fields only at their neutral values
+    chat = schemas["ChatCompletionRequest"]
+    assert chat["additionalProperties"] is False and schemas["CompletionRequest"]["additionalProperties"] is False
+    assert chat["properties"]["logprobs"]["anyOf"] == [{"type": "null"}, {"const": False}]
+    assert completion["frequency_penalty"]["anyOf"] == [{"type": "null"}, {"const": 0}]
     assert all("422" not in op["responses"] for item in paths.values() for op in item.values())
     app.openapi_schema = None
