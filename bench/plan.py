@@ -22,13 +22,22 @@ SECTIONS: tuple[str, ...] = get_args(Section)
 class ASDSetting(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    g: float = Field(ge=0, description="Gate on regret / v_i (logits).")
+    g: float = Field(ge=0, description="Gate: regret r_i (logits) ≤ g · (K − i), or g · (K − i) / K ('fraction').")
     max_relaxed_per_block: int = Field(ge=0, description="M: most relaxed tokens per block.")
     budget: float = Field(ge=0, description="B: regret budget per request.")
+    gate: Literal["remaining", "fraction"] = Field("remaining", description="The gate's form (asd.gate).")
 
     @property
     def label(self) -> str:
-        return f"g{self.g:g}_M{self.max_relaxed_per_block}_B{self.budget:g}"
+        suffix = "" if self.gate == "remaining" else f"_{self.gate}"
+        return f"g{self.g:g}_M{self.max_relaxed_per_block}_B{self.budget:g}{suffix}"
+
+    def to_asd_config(self):
+        """This setting as `policies.asd.ASDConfig`."""
+        from policies.asd import ASDConfig
+
+        return ASDConfig(g=self.g, max_relaxed_per_block=self.max_relaxed_per_block, budget=self.budget,
+                         gate=self.gate)
 
 
 class BenchPlan(BaseModel):

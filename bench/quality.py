@@ -31,20 +31,22 @@ log = logging.getLogger(__name__)
 # say which knob moves speed and quality.
 DEFAULT_GRID = tuple(ASDSetting(g=g, max_relaxed_per_block=m, budget=b) for g, m, b in (
     (1, 2, 8), (2, 2, 8), (4, 2, 8), (2, 1, 8), (2, 2, 2), (2, 2, 32)))
-_LABEL = re.compile(r"^g([0-9.]+)_M([0-9]+)_B([0-9.]+)$")
+_LABEL = re.compile(r"^g([0-9.]+)_M([0-9]+)_B([0-9.]+)(?:_(remaining|fraction))?$")
 
 
 def parse_setting(label: str) -> ASDSetting:
-    """`g2_M2_B8` → ASDSetting(g=2, max_relaxed_per_block=2, budget=8); ValueError naming the label."""
+    """`g2_M2_B8` → ASDSetting(g=2, max_relaxed_per_block=2, budget=8); a `_fraction` suffix sets the gate form;
+    ValueError naming the label."""
     match = _LABEL.match(label.strip())
     if not match:
-        raise ValueError(f"settings: {label!r} is not a label like g2_M2_B8")
-    return ASDSetting(g=float(match[1]), max_relaxed_per_block=int(match[2]), budget=float(match[3]))
+        raise ValueError(f"settings: {label!r} is not a label like g2_M2_B8 or g2_M2_B8_fraction")
+    return ASDSetting(g=float(match[1]), max_relaxed_per_block=int(match[2]), budget=float(match[3]),
+                      gate=match[4] or "remaining")
 
 
 def _same(arm, setting: ASDSetting) -> bool:
-    return arm.asd is not None and (arm.asd.g, arm.asd.max_relaxed_per_block, arm.asd.budget) == (
-        setting.g, setting.max_relaxed_per_block, setting.budget)
+    return arm.asd is not None and (arm.asd.g, arm.asd.max_relaxed_per_block, arm.asd.budget, arm.asd.gate) == (
+        setting.g, setting.max_relaxed_per_block, setting.budget, setting.gate)
 
 
 def reference_arm(config) -> str:
@@ -69,7 +71,7 @@ def grid_config(config, settings: Sequence[ASDSetting], keep_arms: bool = False)
     for s in settings:
         if not any(_same(a, s) for a in arms):
             arms.append(ArmConfig.model_validate({"name": s.label, "verification": "asd", "asd": {
-                "g": s.g, "max_relaxed_per_block": s.max_relaxed_per_block, "budget": s.budget}}))
+                "g": s.g, "max_relaxed_per_block": s.max_relaxed_per_block, "budget": s.budget, "gate": s.gate}}))
     data = config.model_dump()
     data["arms"] = [a.model_dump() for a in arms]
     return SpecServeConfig.model_validate(data)

@@ -156,7 +156,8 @@ def _asd_settings(config, plan: BenchPlan, workload: str) -> list[tuple[str, ASD
     settings = []
     for arm in config.arms:
         if arm.verification == "asd":
-            s = ASDSetting(g=arm.asd.g, max_relaxed_per_block=arm.asd.max_relaxed_per_block, budget=arm.asd.budget)
+            s = ASDSetting(g=arm.asd.g, max_relaxed_per_block=arm.asd.max_relaxed_per_block, budget=arm.asd.budget,
+                           gate=arm.asd.gate)
             settings.append((f"{arm.name}:{s.label}", s))
             break
     if workload in plan.asd_workloads:

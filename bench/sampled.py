@@ -19,7 +19,6 @@ from actors.requests import EXACT, ArmSpec, GenerationRequest, SamplingParams
 from bench.harness import InProcessBench, Mode
 from bench.plan import ASDSetting
 from bench.workloads import Prompt
-from policies.asd import ASDConfig
 
 log = logging.getLogger("specserve.bench")
 
@@ -56,8 +55,7 @@ def modes(arm: tuple[str, ASDSetting] | None) -> list[Mode]:
 
 
 def _arm(label: str, s: ASDSetting, sampled: str) -> ArmSpec:
-    config = ASDConfig(g=s.g, max_relaxed_per_block=s.max_relaxed_per_block, budget=s.budget)
-    return ArmSpec(f"{sampled}-{label}", "asd", config, sampled=sampled)
+    return ArmSpec(f"{sampled}-{label}", "asd", s.to_asd_config(), sampled=sampled)
 
 
 def sampled_section(bench: InProcessBench, prompts: list[Prompt], arm: tuple[str, ASDSetting] | None,

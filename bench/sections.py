@@ -20,7 +20,6 @@ from bench.harness import ADAPTIVE, TARGET_ONLY, InProcessBench, Mode, RunMeasur
 from bench.plan import ASDSetting, BenchPlan
 from bench.workloads import Prompt
 from cluster.serving.audit import common_prefix_length
-from policies.asd import ASDConfig
 
 log = logging.getLogger("specserve.bench")
 
@@ -86,8 +85,7 @@ def asd(bench: InProcessBench, prompts: list[Prompt], settings: list[tuple[str, 
     """ASD arms (adaptive γ) interleaved with the exact arm (adaptive γ); divergence against `reference`, the
     target-only greedy tokens."""
     modes = [ADAPTIVE] + [
-        Mode(f"asd_{label}", arm=ArmSpec(label, "asd", ASDConfig(g=s.g, max_relaxed_per_block=s.max_relaxed_per_block,
-                                                               budget=s.budget)))
+        Mode(f"asd_{label}", arm=ArmSpec(label, "asd", s.to_asd_config()))
         for label, s in settings]
     runs = bench.sweep(prompts, modes, 1)
     exact = runs["adaptive"]

@@ -127,7 +127,8 @@ class DrafterSpec(_Strict):
 class ASDSettings(_Strict):
     """Approximate Speculative Decoding: accept a mismatch when its regret passes the gate and the budgets."""
 
-    g: float = Field(2.0, ge=0, description="Gate: a mismatch at position i passes when r_i / v_i <= g (logits).")
+    g: float = Field(2.0, ge=0, description="Gate: a mismatch at position i of a block of K passes when its regret "
+                     "r_i (logits) <= g * (K - i), or g * (K - i) / K with gate 'fraction'. 0 disables relaxation.")
     max_relaxed_per_block: int = Field(2, ge=0, description="M: most mismatches accepted in one block.")
     budget: float = Field(8.0, ge=0, description="B: cumulative regret allowed per request; 0 is exactly greedy.")
     sampled: Literal["exact", "relaxed"] = Field(
@@ -137,6 +138,12 @@ class ASDSettings(_Strict):
     )
 
 
+    gate: Literal["remaining", "fraction"] = Field(
+        "remaining", description="The gate's form: 'remaining', the ASD paper's r_i <= g * q_i with q_i = K - i the "
+        "proposal length left at position i; 'fraction', r_i <= g * (K - i) / K, the allowance at most g whatever "
+        "K (specserve's form before issue 25; g values differ in meaning between the two). Greedy requests only: "
+        "asd.sampled relaxed always uses (K - i) / K (docs/asd-sampled.md).",
+    )
 class ArmConfig(_Strict):
     """A named verification setting that traffic is split across (A/B arms)."""
 
@@ -167,9 +174,8 @@ class ArmConfig(_Strict):
             return None
         from policies.asd import ASDConfig
 
-        return ASDConfig(
-            g=self.asd.g, max_relaxed_per_block=self.asd.max_relaxed_per_block, budget=self.asd.budget
-        )
+        return ASDConfig(g=self.asd.g, max_relaxed_per_block=self.asd.max_relaxed_per_block, budget=self.asd.budget,
+                         gate=self.asd.gate)
 
     def to_arm_spec(self):
         """This arm as the coordinator's `actors.requests.ArmSpec`."""

@@ -29,6 +29,15 @@ def test_modes_compare_exact_fallback_and_relaxed():
     assert [m.name for m in modes(None)] == ["exact", f"relaxed_{LOOSE.label}"]
 
 
+def test_a_setting_carries_its_gate_form_into_labels_and_arms():
+    from bench.quality import parse_setting
+
+    old = ASDSetting(g=2, max_relaxed_per_block=2, budget=8, gate="fraction")
+    assert old.label == "g2_M2_B8_fraction" and parse_setting(old.label) == old
+    assert parse_setting("g2_M2_B8").gate == "remaining"
+    assert {m.arm.asd.gate for m in modes((f"asd:{old.label}", old))[1:3]} == {"fraction"}
+
+
 def test_section_measures_every_mode_and_renders(bench):
     from bench.workloads import Prompt
 

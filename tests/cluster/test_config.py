@@ -238,3 +238,33 @@ def test_relaxed_sampled_asd_on_vllm_fails_at_load_naming_the_field():
     with pytest.raises(ValueError, match=r"arms\[1\]\.asd\.sampled"):
         parse_config({"name": "x", "target": {"source": "embedded:smollm2", "served_name": "m", "engine": "vllm"},
                       "arms": arms})
+
+
+def test_asd_gate_defaults_to_the_paper_form_and_reaches_the_arm_spec():
+    from typing import get_args
+
+    from cluster.config.schema import ASDSettings
+    from policies.asd import Gate
+
+    assert get_args(ASDSettings.model_fields["gate"].annotation) == get_args(Gate)
+    cfg = parse_config({"name": "t", "target": {"source": "embedded:smollm2", "served_name": "smol"}, "arms": [
+        {"name": "paper", "verification": "asd", "asd": {}},
+        {"name": "old", "verification": "asd", "asd": {"g": 4.0, "gate": "fraction"}}]})
+    assert [arm.to_arm_spec().asd.gate for arm in cfg.arms] == ["remaining", "fraction"]
+    assert dump_config(cfg)["arms"][1]["asd"]["gate"] == "fraction"
+
+
+def test_a_bad_asd_gate_names_its_path_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "name: t\n"
+        "target: {source: embedded:smollm2, served_name: smol}\n"
+        "arms:\n"
+        "  - name: exact\n"
+        "  - name: asd\n"
+        "    verification: asd\n"
+        "    asd: {g: 2, gate: share}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "arms[1].asd.gate (line 7)" in str(err.value) and "'remaining' or 'fraction'" in str(err.value)

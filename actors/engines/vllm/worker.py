@@ -38,7 +38,7 @@ def request_settings(request: GenerationRequest, *, speculate: bool) -> dict[str
     out: dict[str, Any] = {"rid": request.request_id, "arm": arm.name, "verification": arm.verification,
                            "sampled": arm.sampled, "speculate": speculate}
     if arm.asd is not None:
-        out["asd"] = {"g": arm.asd.g, "M": arm.asd.max_relaxed_per_block, "B": arm.asd.budget}
+        out["asd"] = {"g": arm.asd.g, "M": arm.asd.max_relaxed_per_block, "B": arm.asd.budget, "gate": arm.asd.gate}
     return out
 
 
@@ -46,7 +46,8 @@ def _request(cfg: dict[str, Any], params, prompt_ids) -> GenerationRequest:
     """The unit's request, as far as the worker's bookkeeping needs it, from vLLM's request."""
     asd = cfg.get("asd")
     arm = ArmSpec(cfg["arm"], cfg.get("verification", "exact"),
-                  ASDConfig(g=asd["g"], max_relaxed_per_block=asd["M"], budget=asd["B"]) if asd else None,
+                  ASDConfig(g=asd["g"], max_relaxed_per_block=asd["M"], budget=asd["B"], gate=asd["gate"])
+                  if asd else None,
                   cfg.get("sampled", "exact"))
     temperature = 0.0 if params.temperature < 1e-5 else params.temperature
     sampling = SamplingParams(max_tokens=params.max_tokens or 1, temperature=temperature, seed=params.seed)
@@ -252,7 +253,7 @@ class WorkerState:
             if self.asd_log is not None and len(self.asd_log) < 10_000:
                 self.asd_log.append({
                     "rids": [rid for _, rid, _ in rows],
-                    "config": (config.g, config.max_relaxed_per_block, config.budget),
+                    "config": (config.g, config.max_relaxed_per_block, config.budget, config.gate),
                     "positions": [int(self.runner.input_batch.num_tokens_no_spec[b]) for b, _, _ in rows],
                     "draft_ids": draft_ids.tolist(), "draft_lens": lens.tolist(), "spent_before": spent_before,
                     "mirrored_before": mirrored,
