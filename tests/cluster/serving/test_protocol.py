@@ -1,13 +1,17 @@
 """The OpenAI wire format without Ray: request validation, error bodies, max_tokens, stop strings."""
 
-import pytest
+from collections import Counter
 
+import pytest
 from pydantic import ValidationError
 
 from cluster.serving.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    ContentPart,
+    StreamOptions,
     chunk_body,
     completion_body,
     resolve_max_tokens,
@@ -49,7 +53,8 @@ def test_defaults_and_extensions():
     assert _completion(prompt=["one"]).prompt == "one"
     assert _completion(prompt=[1, 2, 3]).prompt == [1, 2, 3]
     assert _completion(stop="\n").stop_strings == ("\n",)
-    assert _completion(logit_bias=None, frequency_penalty=0).model == "m"  # unused SDK fields are ignored
+    assert _completion(logit_bias=None, frequency_penalty=0).model == "m"  # neutral values, as SDKs send them
+    assert _completion(prompt=[[4, 5]]).prompt == [4, 5]
 
 
 @pytest.mark.parametrize(
@@ -68,6 +73,7 @@ def test_defaults_and_extensions():
         ({"model": ""}, "model"),
         ({"echo": True}, "echo"),
         ({"top_k": -5}, "top_k"),
+        ({"prompt": [[1], [2]]}, "prompt"),
     ],
 )
 def test_bad_fields_name_their_param(fields, param):
@@ -190,3 +196,186 @@ def test_response_bodies():
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     last = chunk_body("c", "m", 1, chat=True, no_choices=True, usage=usage)
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 7
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Nothing silently ignored: every OpenAI field is honoured, refused unless neutral, or ignored for a reason
+
+
+def _chat(**fields):
+    return parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 **fields})
+
+
+def _sdk_fields(typed_dict) -> set[str]:
+    return {name for cls in typed_dict.__mro__ for name in getattr(cls, "__annotations__", {})}
+
+
+def test_every_field_of_the_sdk_schema_is_declared():
+    """A field the installed openai SDK can send is a declared field (honoured, refused or ignored), never
+    an unknown one: a newer SDK's new field fails here until it is decided."""
+    chat = pytest.importorskip("openai.types.chat")
+    from openai.types import completion_create_params as completions
+    from openai.types.chat import completion_create_params as chats
+
+    assert _sdk_fields(chats.CompletionCreateParamsBase) <= set(ChatCompletionRequest.model_fields)
+    assert _sdk_fields(completions.CompletionCreateParamsBase) <= set(CompletionRequest.model_fields)
+    assert _sdk_fields(chat.ChatCompletionStreamOptionsParam) <= set(StreamOptions.model_fields)
+    assert _sdk_fields(chat.ChatCompletionContentPartTextParam) <= set(ContentPart.model_fields)
+    for role in ("System", "Developer", "User", "Assistant", "Tool"):
+        assert _sdk_fields(getattr(chat, f"ChatCompletion{role}MessageParam")) <= set(ChatMessage.model_fields)
+
+
+CHAT_REFUSED = [  # (field, a value that asks for something)
+    ("logprobs", True), ("top_logprobs", 5), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+    ("logit_bias", {"42": 100}), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("modalities", ["text", "audio"]), ("moderation", {"model": "omni"}), ("reasoning_effort", "high"),
+    ("verbosity", "low"), ("web_search_options", {}), ("store", True), ("n", 2),
+    ("repetition_penalty", 1.2), ("min_tokens", 4), ("stop_token_ids", [2]), ("ignore_eos", True),
+]
+COMPLETION_REFUSED = [
+    ("logprobs", 0), ("logprobs", 5), ("best_of", 3), ("suffix", " end"), ("echo", True), ("n", 3),
+    ("frequency_penalty", 2), ("presence_penalty", 0.1), ("logit_bias", {"7": -100}), ("min_tokens", 1),
+]
+CHAT_NEUTRAL = {
+    "logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [],
+    "function_call": "none", "modalities": ["text"], "reasoning_effort": "none", "verbosity": "medium",
+    "store": False, "n": 1, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "ignore_eos": False,
+    "audio": None, "moderation": None, "web_search_options": None,
+}
+COMPLETION_NEUTRAL = {"logprobs": None, "best_of": 1, "suffix": "", "echo": False, "n": 1, "frequency_penalty": 0,
+                      "presence_penalty": 0, "logit_bias": None, "min_tokens": 0}
+IGNORED_VALUES = {  # chat
+    "metadata": {"team": "search"}, "prompt_cache_key": "k", "prompt_cache_options": {"mode": "explicit"},
+    "prompt_cache_retention": "24h", "safety_identifier": "hash", "service_tier": "priority",
+    "prediction": {"type": "content", "content": "x"}, "parallel_tool_calls": False,
+    "stream_options": {"include_usage": True, "include_obfuscation": True},
+}
+
+
+def _refusal(parse, field, value) -> dict:
+    with pytest.raises(APIError) as info:
+        parse(**{field: value})
+    assert info.value.status == 400
+    return info.value.body()["error"]
+
+
+@pytest.mark.parametrize("field, value", CHAT_REFUSED)
+def test_chat_refuses_what_it_cannot_honour_naming_the_field(field, value):
+    error = _refusal(_chat, field, value)
+    assert (error["param"], error["code"], error["type"]) == (field, "unsupported_parameter", "invalid_request_error")
+    assert error["message"].startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("field, value", COMPLETION_REFUSED)
+def test_completions_refuse_what_they_cannot_honour_naming_the_field(field, value):
+    error = _refusal(_completion, field, value)
+    assert (error["param"], error["code"]) == (field, "unsupported_parameter")
+
+
+def test_neutral_values_and_null_are_accepted():
+    assert _chat(**CHAT_NEUTRAL).logprobs is False
+    assert _completion(**COMPLETION_NEUTRAL).best_of == 1
+    assert _chat(**{field: None for field, _ in CHAT_REFUSED}).model == "m"
+    assert _completion(**{field: None for field, _ in COMPLETION_REFUSED}).model == "m"
+    assert _completion(frequency_penalty=0.0, logprobs=None).frequency_penalty == 0  # 0.0 is 0, as in JSON
+    assert _refusal(_chat, "logprobs", 0)["param"] == "logprobs"  # ... but 0 is not false
+    assert _refusal(_chat, "frequency_penalty", False)["param"] == "frequency_penalty"
+
+
+def test_null_means_the_default():
+    request = _completion(temperature=None, top_p=None, n=None, stream=None, echo=None)
+    assert request.sampling() == _completion().sampling() and not request.stream and request.n == 1
+    assert request.model_fields_set == {"model", "prompt"}  # so the operator's defaults apply
+
+
+def test_ignored_fields_are_accepted_and_listed_in_the_readme():
+    request = _chat(**IGNORED_VALUES)
+    assert request.include_usage and request.metadata == {"team": "search"}
+    from pathlib import Path
+
+    from cluster.serving.fields import IGNORED
+
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    for name in IGNORED:
+        assert f"{name.rsplit('.', 1)[-1]}`" in readme, name
+
+
+def test_unknown_fields_are_refused_naming_them():
+    for parse, fields, param in [
+        (_completion, {"temprature": 0.5}, "temprature"),
+        (_chat, {"extra_body": {"top_k": 2}}, "extra_body"),
+        (_chat, {"messages": [{"role": "user", "content": "hi", "mood": "ok"}]}, "messages.0.mood"),
+        (_chat, {"stream_options": {"include_usage": True, "chunk_size": 2}}, "stream_options.chunk_size"),
+    ]:
+        with pytest.raises(APIError) as info:
+            parse(**fields)
+        assert (info.value.param, info.value.code) == (param, "unknown_parameter"), info.value.body()
+
+
+def test_message_fields():
+    request = _chat(messages=[
+        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "hi", "prompt_cache_breakpoint": {}}]},
+        {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None, "audio": None},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ])
+    assert request.template_messages() == [
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ]
+    for field, value in [("tool_calls", [{"id": "c", "type": "function"}]), ("refusal", "no"),
+                         ("function_call", {"name": "f", "arguments": "{}"})]:
+        error = _refusal(_chat, "messages", [{"role": "assistant", "content": "x", field: value}])
+        assert (error["param"], error["code"]) == (f"messages.0.{field}", "unsupported_parameter")
+
+
+def test_every_body_accepted_is_one_the_openapi_document_declares():
+    """Schemathesis's schema-valid and schema-invalid bodies from the served document, without a server: each
+    body the request models (and the ingress's checks of model and max_tokens) accept validates against the
+    document, so fuzzing finds no invalid body answered 200."""
+    schemathesis = pytest.importorskip("schemathesis")
+    import hypothesis
+    import jsonschema
+    from fastapi import FastAPI
+
+    from cluster.serving.openapi import specserve_openapi
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    def completions(body: CompletionRequest) -> None: ...
+
+    @app.post("/v1/chat/completions")
+    def chat_completions(body: ChatCompletionRequest) -> None: ...
+
+    document = specserve_openapi(app.openapi(), served_name="m", arms=["exact"], max_tokens_limit=64, auth=False,
+                                 protect_metrics=False, protect_export=False)
+    undeclared, accepted = [], Counter()
+    for result in schemathesis.openapi.from_dict(document).get_all_operations():
+        operation = result.ok()
+        model = CompletionRequest if operation.path == "/v1/completions" else ChatCompletionRequest
+        declared = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{model.__name__}",
+                                                    "components": document["components"]})
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+
+            @hypothesis.settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                                 suppress_health_check=list(hypothesis.HealthCheck))
+            @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
+            def run(case):
+                try:
+                    request = parse_request(model, case.body)
+                    resolve_max_tokens(request.requested_max_tokens, prompt_len=1, default=16, limit=64,
+                                       max_seq_len=2**40)
+                except APIError:
+                    return
+                accepted[operation.path, mode.value] += 1
+                if request.model == "m" and not declared.is_valid(case.body):
+                    undeclared.append(case.body)
+
+            run()
+    assert not undeclared, undeclared[:3]
+    assert len(accepted) == 4 and min(accepted.values()) >= 5, accepted  # the cases reached the models
