@@ -138,12 +138,9 @@ class ASDSettings(_Strict):
     )
 
 
-    gate: Literal["remaining", "fraction"] = Field(
-        "remaining", description="The gate's form: 'remaining', the ASD paper's r_i <= g * q_i with q_i = K - i the "
-        "proposal length left at position i; 'fraction', r_i <= g * (K - i) / K, the allowance at most g whatever "
-        "K (specserve's form before issue 25; g values differ in meaning between the two). Greedy requests only: "
-        "asd.sampled relaxed always uses (K - i) / K (docs/asd-sampled.md).",
-    )
+    gate: Literal["remaining", "fraction"] = Field("remaining", description="The gate's form: 'remaining', the ASD "
+        "paper's r_i <= g * (K - i); 'fraction', r_i <= g * (K - i) / K (the form before issue 25: a g means something "
+        "else under each). Greedy requests only: asd.sampled relaxed always uses (K - i) / K (docs/asd-sampled.md).")
 class ArmConfig(_Strict):
     """A named verification setting that traffic is split across (A/B arms)."""
 
