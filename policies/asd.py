@@ -2,8 +2,8 @@
 
 `verify_asd_scores(draft_ids, scores, ledgers, config)` keeps a mismatch x_i ≠ y*_i only when its regret
 r_i = z_i(y*_i) − z_i(x_i) passes the gate, the block's cap M and the request's remaining budget, and charges
-each relaxed token to its row's `RegretLedger` with a `LedgerEvent`. The gate is the paper's r_i ≤ g · q_i with
-q_i = K_b − i (`gate="remaining"`, the default) or r_i ≤ g · q_i / K_b (`gate="fraction"`); the rule and its
+each relaxed token to its row's `RegretLedger` with a `LedgerEvent`. The gate is the paper's r_i ≤ g · ℓ_i with
+ℓ_i = K_b − i (`gate="remaining"`, the default) or r_i ≤ g · ℓ_i / K_b (`gate="fraction"`); the rule and its
 terms are docs/architecture.md, "Terms". Budget 0, g = 0 or M = 0 give exactly `verify_greedy`.
 """
 
@@ -23,15 +23,15 @@ from policies.verdict import Verdict, accepted_prefix, assemble_tokens, check_dr
 __all__ = ["ASDConfig", "Gate", "LedgerEvent", "RegretLedger", "verify_asd", "verify_asd_scores"]
 
 Gate = Literal["remaining", "fraction"]
-"""How the gate weighs position i of a block of K_b: by q_i = K_b − i (the paper's) or by q_i / K_b."""
+"""How the gate weighs position i of a block of K_b: by ℓ_i = K_b − i (the paper's) or by ℓ_i / K_b."""
 
 
 @dataclass(frozen=True)
 class ASDConfig:
     """One ASD arm's verification setting: `ASDConfig(g, max_relaxed_per_block, budget, gate="remaining")`."""
 
-    g: float = Field(ge=0, description="Gate: a mismatch at position i needs r_i ≤ g · q_i (or g · q_i / K_b with "
-                     "gate 'fraction'), q_i = K_b − i. 0 disables relaxation.")
+    g: float = Field(ge=0, description="Gate: a mismatch at position i needs r_i ≤ g · ℓ_i (or g · ℓ_i / K_b with "
+                     "gate 'fraction'), ℓ_i = K_b − i. 0 disables relaxation.")
     max_relaxed_per_block: int = Field(ge=0, description="M: most relaxed tokens in one block. 0 disables.")
     budget: float = Field(
         ge=0, allow_inf_nan=False, description="B: regret each request may spend in total (its ledger's budget)."
@@ -84,11 +84,11 @@ def verify_asd_scores(
         spent_before = torch.cat([torch.zeros(len(ledgers), 1, dtype=torch.float64, device=device),
                                   spent_incl[:, :-1]], dim=1)  # [B, K]
         block_len = lens[:, None].double()  # [B, 1]
-        left = block_len - pos  # [B, K], q_i = K_b − i, > 0 where valid
+        left = block_len - pos  # [B, K], ℓ_i = K_b − i, > 0 where valid
         if config.gate == "remaining":
-            gate = regret <= config.g * left  # [B, K], r_i / q_i ≤ g
+            gate = regret <= config.g * left  # [B, K], r_i / ℓ_i ≤ g
         else:
-            gate = regret * block_len <= config.g * left  # [B, K], r_i / (q_i / K_b) ≤ g
+            gate = regret * block_len <= config.g * left  # [B, K], r_i / (ℓ_i / K_b) ≤ g
         cap = mismatch.long().cumsum(dim=1) <= config.max_relaxed_per_block  # [B, K]
         funded = (remaining[:, None] - spent_before > 0) & (spent_incl <= remaining[:, None])  # [B, K]
         keep = valid & (~mismatch | (gate & cap & funded))  # [B, K]

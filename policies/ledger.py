@@ -25,13 +25,13 @@ class LedgerEvent:
     draft_token: int  # x_i, the accepted draft token
     target_token: int  # y*_i, the target's argmax it replaced
     regret: float  # r_i = z_i(y*_i) − z_i(x_i)
-    remaining: int  # q_i = K_b − i, the proposal length left at position i (position i included)
+    remaining: int  # ℓ_i = K_b − i, the proposal length left at position i, i included (the ASD paper's q_i)
     block_len: int  # K_b, the block's draft length
-    gate: str  # the gate form that admitted it: "remaining" (r_i ≤ g · q_i) or "fraction" (r_i ≤ g · q_i / K_b)
+    gate: str  # the gate form that admitted it: "remaining" (r_i ≤ g · ℓ_i) or "fraction" (r_i ≤ g · ℓ_i / K_b)
 
     @property
     def weight(self) -> float:
-        """What g multiplies in this event's gate: q_i, or q_i / K_b for the "fraction" form."""
+        """What g multiplies in this event's gate: ℓ_i, or ℓ_i / K_b for the "fraction" form."""
         return self.remaining if self.gate == "remaining" else self.remaining / self.block_len
 
 

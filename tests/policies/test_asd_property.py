@@ -27,7 +27,7 @@ GATES = ("remaining", "fraction")
 
 
 def reference_row(draft, logits, k_b, remaining, config):
-    """One row's block, position by position. Returns (emitted tokens, [(position, x, y, regret, q_i)])."""
+    """One row's block, position by position. Returns (emitted tokens, [(position, x, y, regret, ℓ_i)])."""
     argmax = [max(range(len(row)), key=lambda v, row=row: (row[v], -v)) for row in logits]  # first index on ties
     g, m = Fraction(config.g), config.max_relaxed_per_block
     kept, spent, events = 0, Fraction(0), []

@@ -49,7 +49,7 @@ def test_relaxed_mismatch_and_suffix_reuse():
 
 
 def test_the_paper_gate_weighs_a_position_by_the_proposal_left():
-    """r_i ≤ g · q_i, q_i = K − i: at position 0 of K = 4 a regret up to 4·g passes, at position 2 up to 2·g."""
+    """r_i ≤ g · ℓ_i, ℓ_i = K − i: at position 0 of K = 4 a regret up to 4·g passes, at position 2 up to 2·g."""
     config = ASDConfig(g=1.0, max_relaxed_per_block=4, budget=10.0)
     assert config.gate == "remaining"
     assert run([1, 2, 3, 4, 5], [7, 2, 3, 4], {0: 3.9}, config, RegretLedger(10.0)).num_accepted.tolist() == [4]
