@@ -76,6 +76,22 @@ def test_fuzzing_every_route_finds_no_server_error_and_no_undeclared_answer(serv
     assert stats["active_requests"] == stats["target_sequences"] == stats["open_ledgers"] == [], stats
 
 
+def test_the_sdk_learns_which_field_is_not_honoured(servers):
+    """Neutral values (as SDKs and harnesses send them) are served; a field asking for what the server cannot
+    do is a 400 naming it, through the OpenAI SDK as through any client (issue 24)."""
+    import openai
+
+    url, _ = servers
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    neutral = client.chat.completions.create(**chat, logprobs=False, frequency_penalty=0, n=1, tool_choice="none",
+                                             extra_body={"logit_bias": None, "tools": []})
+    assert neutral.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**chat, logprobs=True, top_logprobs=2)
+    assert (info.value.param, info.value.code) == ("logprobs", "unsupported_parameter")
+
+
 def test_api_keys_guard_the_api_but_not_health_or_metrics(servers):
     _, url = servers
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
