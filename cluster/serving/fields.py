@@ -1,4 +1,4 @@
-"""The request fields this server does not honour, and how it answers them: nothing is silently ignored.
+"""The request fields this server does not honour, declared, and how it answers them: nothing is silently ignored.
 
 Terms:
 - **refused**: a field (of OpenAI's schema, or a vLLM extension) this server cannot honour yet. Sent with its
@@ -10,18 +10,23 @@ Terms:
   `prompt_cache_key`, ...): any value of its type is accepted. `IGNORED` says why; the README lists them.
 - **unknown**: a field in neither OpenAI's schema nor specserve's extensions: a 400 naming it, code
   `unknown_parameter` (OpenAI's own API refuses unrecognized arguments too).
+- **null**: what an SDK sends for an Optional field set to None. It is neutral for a refused field, and means
+  the default for the honoured fields of `NULL_IS_DEFAULT`, which specserve types without None.
+
+The mixins below declare the refused and ignored fields of each request model in `cluster.serving.protocol`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 UNSUPPORTED = "unsupported_parameter"
 UNKNOWN = "unknown_parameter"
+NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "echo")
 
 IGNORED = {  # field -> why ignoring it leaves the answer as OpenAI defines it
     "metadata": "tags a stored completion; nothing is stored (`store: true` is refused)",
@@ -35,6 +40,35 @@ IGNORED = {  # field -> why ignoring it leaves the answer as OpenAI defines it
     "parallel_tool_calls": "has no effect without tools (non-empty `tools` is refused)",
     "stream_options.include_obfuscation": "stream padding against side channels; chunks are sent unpadded",
 }
+
+
+def declare(*, or_null: bool = False, **schema: Any):
+    """A field's JSON schema as its validators enforce it, where pydantic cannot derive it from the type;
+    `or_null` adds null (see NULL_IS_DEFAULT)."""
+
+    def update(field_schema: dict[str, Any]) -> None:
+        if "anyOf" in schema:
+            field_schema.pop("type", None)
+        field_schema.update(schema)
+        if or_null:
+            kept = ("title", "description", "default", "anyOf")
+            value = {k: field_schema.pop(k) for k in list(field_schema) if k not in kept}
+            field_schema["anyOf"] = [*field_schema.get("anyOf", [value]), {"type": "null"}]
+
+    return update
+
+
+class StrictRequest(BaseModel):
+    """A request model: an unknown field is a 400 naming it; null for a field of NULL_IS_DEFAULT is its default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if not (v is None and k in NULL_IS_DEFAULT and k in cls.model_fields)}
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -70,3 +104,65 @@ def refused(*neutral: Any, why: str = "not supported yet") -> Any:
 def unsupported(why: str) -> PydanticCustomError:
     """The error of an honoured field's value this server cannot serve (e.g. `n` > 1)."""
     return PydanticCustomError(UNSUPPORTED, "{why}", {"why": why})
+
+
+class RefusedSamplingFields(BaseModel):
+    """Both routes: OpenAI's penalties and biases, and the vLLM extensions clients send in `extra_body`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    frequency_penalty: refused(0, why="not applied yet") = None
+    presence_penalty: refused(0, why="not applied yet") = None
+    logit_bias: refused({}, why="not applied yet") = None
+    repetition_penalty: refused(1, why="vLLM's extension, not applied yet") = None
+    min_tokens: refused(0, why="vLLM's extension, not applied yet") = None
+    stop_token_ids: refused([], why="vLLM's extension, not applied yet") = None
+    ignore_eos: refused(False, why="vLLM's extension, not applied yet") = None
+
+
+class RefusedCompletionFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    logprobs: refused(why="not returned yet") = None
+    best_of: refused(1, why="more candidates than n are not supported yet") = None
+    suffix: refused("", why="insertion is not supported") = None
+
+
+class RefusedMessageFields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tool_calls: refused([], why="tool calling is not supported yet") = None
+    function_call: refused(why="function calling is not supported") = None
+    refusal: refused(why="an assistant refusal is not templated yet; send it as content") = None
+    audio: refused(why="audio is not supported") = None
+
+
+class ChatFieldsNotHonoured(BaseModel):
+    """Chat: the refused fields, then the ignored ones (`IGNORED` says why each is)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    logprobs: refused(False, why="not returned yet") = None
+    top_logprobs: refused(0, why="logprobs are not returned yet") = None
+    response_format: refused({"type": "text"}, why="structured output is not supported yet") = None
+    tools: refused([], why="tool calling is not supported yet") = None
+    tool_choice: refused("none", why="tool calling is not supported yet") = None
+    functions: refused([], why="function calling is not supported") = None
+    function_call: refused("none", why="function calling is not supported") = None
+    audio: refused(why="audio output is not supported") = None
+    modalities: refused(["text"], why="only text output is supported") = None
+    moderation: refused(why="not supported") = None
+    reasoning_effort: refused("none", why="the served model does not reason on a budget") = None
+    verbosity: refused("medium", why="not supported") = None
+    web_search_options: refused(why="web search is not supported") = None
+    store: refused(False, why="completions are not stored") = None
+
+    metadata: dict[str, str] | None = Field(None, description="Ignored: nothing is stored.")
+    prompt_cache_key: str | None = Field(None, description="Ignored: a cache hint.")
+    prompt_cache_options: dict[str, Any] | None = Field(None, description="Ignored: a cache hint.")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(None, description="Ignored: a cache hint.")
+    safety_identifier: str | None = Field(None, description="Ignored: `user` drives the A/B assignment.")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = Field(
+        None, description="Ignored: there is one tier.")
+    prediction: dict[str, Any] | None = Field(None, description="Ignored: speculation drafts on its own.")
+    parallel_tool_calls: bool | None = Field(None, description="Ignored: no tools are called.")

@@ -15,9 +15,11 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cluster.serving.fields import UNKNOWN, UNSUPPORTED, refused, unsupported
+from cluster.serving.fields import (UNKNOWN, UNSUPPORTED, ChatFieldsNotHonoured, RefusedCompletionFields,
+                                    RefusedMessageFields, RefusedSamplingFields, StrictRequest, declare,
+                                    unsupported)
 
 MAX_STOP_STRINGS = 4
 MAX_TEMPERATURE = 2.0  # OpenAI's range; far larger values overflow float32 in the sampler
@@ -94,26 +96,6 @@ def _is_type_name(part: str) -> bool:
 # Requests
 
 
-NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "echo")  # OpenAI's Optional fields specserve types
-# strictly: null (what an SDK sends for a field set to None) means the field's default
-
-
-def _declare(*, or_null: bool = False, **schema: Any):
-    """A field's JSON schema as its validators enforce it, where pydantic cannot derive it from the type;
-    `or_null` adds null (see NULL_IS_DEFAULT)."""
-
-    def update(field_schema: dict[str, Any]) -> None:
-        if "anyOf" in schema:
-            field_schema.pop("type", None)
-        field_schema.update(schema)
-        if or_null:
-            kept = ("title", "description", "default", "anyOf")
-            value = {k: field_schema.pop(k) for k in list(field_schema) if k not in kept}
-            field_schema["anyOf"] = [*field_schema.get("anyOf", [value]), {"type": "null"}]
-
-    return update
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -121,47 +103,31 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = Field(None, description="Ignored: chunks are sent without padding.")
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StrictRequest, RefusedSamplingFields):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = ConfigDict(extra="forbid")  # an unknown field is a 400 naming it (cluster.serving.fields)
 
     model: str = Field(min_length=1, description="The served model id (`GET /v1/models`).")
     max_tokens: int | None = Field(None, description="Most tokens to generate; None uses the server default.")
-    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, json_schema_extra=_declare(or_null=True),
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, json_schema_extra=declare(or_null=True),
                                description=f"0 (or below {SAMPLING_EPS}) is greedy; > 0 samples; at most 2.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass, in (0, 1].",
-                         json_schema_extra=_declare(or_null=True))
+                         json_schema_extra=declare(or_null=True))
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX,
                               description="Extension: keep the k most likely tokens; 0 or -1 = off.")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX,
                              description="Seed of the request's random generator (sampling).")
     stop: str | list[str] | None = Field(
         None, description="Up to 4 strings; output ends before the first one.",
-        json_schema_extra=_declare(anyOf=[{"type": "string", "minLength": 1},
+        json_schema_extra=declare(anyOf=[{"type": "string", "minLength": 1},
                                           {"type": "array", "items": {"type": "string", "minLength": 1},
                                            "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]),
     )
     n: int = Field(1, description="Choices per request; only 1 is supported yet.",
-                   json_schema_extra=_declare(minimum=1, maximum=1, or_null=True))
+                   json_schema_extra=declare(minimum=1, maximum=1, or_null=True))
     user: str | None = Field(None, max_length=256, description="End-user id; makes the A/B arm sticky.")
-    stream: bool = Field(False, description="Stream server-sent events.", json_schema_extra=_declare(or_null=True))
+    stream: bool = Field(False, description="Stream server-sent events.", json_schema_extra=declare(or_null=True))
     stream_options: StreamOptions | None = None
     speculate: bool = Field(True, description="Extension: False decodes with the target alone (γ = 0).")
-    frequency_penalty: refused(0, why="not applied yet") = None
-    presence_penalty: refused(0, why="not applied yet") = None
-    logit_bias: refused({}, why="not applied yet") = None
-    repetition_penalty: refused(1, why="vLLM's extension, not applied yet") = None
-    min_tokens: refused(0, why="vLLM's extension, not applied yet") = None
-    stop_token_ids: refused([], why="vLLM's extension, not applied yet") = None
-    ignore_eos: refused(False, why="vLLM's extension, not applied yet") = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items() if not (v is None and k in NULL_IS_DEFAULT and k in cls.model_fields)}
 
     @field_validator("n")
     @classmethod
@@ -219,12 +185,12 @@ class _SamplingFields(BaseModel):
                 "top_p": max(top_p, SAMPLING_EPS), "top_k": top_k}
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, RefusedCompletionFields):
     """POST /v1/completions. `prompt` is text or token ids, alone or as a one-element list."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="The prompt (one per request): text or token ids, alone or as a list of one.",
-        json_schema_extra=_declare(anyOf=[
+        json_schema_extra=declare(anyOf=[
             {"type": "string", "minLength": 1},
             {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
@@ -233,10 +199,7 @@ class CompletionRequest(_SamplingFields):
         ]),
     )
     echo: bool = Field(False, description="Not supported yet; must be false.",
-                       json_schema_extra=_declare(const=False, or_null=True))
-    logprobs: refused(why="not returned yet") = None
-    best_of: refused(1, why="more candidates than n are not supported yet") = None
-    suffix: refused("", why="insertion is not supported") = None
+                       json_schema_extra=declare(const=False, or_null=True))
 
     @field_validator("prompt")
     @classmethod
@@ -269,7 +232,7 @@ class ContentPart(BaseModel):
     prompt_cache_breakpoint: dict[str, Any] | None = Field(None, description="Ignored: a cache hint.")
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RefusedMessageFields):
     """One message. `name` and `tool_call_id` reach the chat template as sent (it decides what they mean)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -278,10 +241,6 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: refused([], why="tool calling is not supported yet") = None
-    function_call: refused(why="function calling is not supported") = None
-    refusal: refused(why="an assistant refusal is not templated yet; send it as content") = None
-    audio: refused(why="audio is not supported") = None
 
     def text(self) -> str:
         if self.content is None:
@@ -291,35 +250,11 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatFieldsNotHonoured):
     """POST /v1/chat/completions. The prompt is the tokenizer's chat template applied to `messages`."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, description="Newer name of max_tokens.")
-    logprobs: refused(False, why="not returned yet") = None
-    top_logprobs: refused(0, why="logprobs are not returned yet") = None
-    response_format: refused({"type": "text"}, why="structured output is not supported yet") = None
-    tools: refused([], why="tool calling is not supported yet") = None
-    tool_choice: refused("none", why="tool calling is not supported yet") = None
-    functions: refused([], why="function calling is not supported") = None
-    function_call: refused("none", why="function calling is not supported") = None
-    audio: refused(why="audio output is not supported") = None
-    modalities: refused(["text"], why="only text output is supported") = None
-    moderation: refused(why="not supported") = None
-    reasoning_effort: refused("none", why="the served model does not reason on a budget") = None
-    verbosity: refused("medium", why="not supported") = None
-    web_search_options: refused(why="web search is not supported") = None
-    store: refused(False, why="completions are not stored") = None
-    # ignored: they leave the tokens as OpenAI defines them (cluster.serving.fields.IGNORED)
-    metadata: dict[str, str] | None = Field(None, description="Ignored: nothing is stored.")
-    prompt_cache_key: str | None = Field(None, description="Ignored: a cache hint.")
-    prompt_cache_options: dict[str, Any] | None = Field(None, description="Ignored: a cache hint.")
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(None, description="Ignored: a cache hint.")
-    safety_identifier: str | None = Field(None, description="Ignored: `user` drives the A/B assignment.")
-    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = Field(
-        None, description="Ignored: there is one tier.")
-    prediction: dict[str, Any] | None = Field(None, description="Ignored: speculation drafts on its own.")
-    parallel_tool_calls: bool | None = Field(None, description="Ignored: no tools are called.")
 
     @property
     def requested_max_tokens(self) -> int | None:
