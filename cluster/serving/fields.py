@@ -30,7 +30,7 @@ NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "echo")
 
 IGNORED = {  # field -> why ignoring it leaves the answer as OpenAI defines it
     "metadata": "tags a stored completion; nothing is stored (`store: true` is refused)",
-    "prompt_cache_key": "a cache-routing hint; the prefix cache needs none",
+    "prompt_cache_key": "a cache-routing hint for OpenAI's servers; it changes latency, not tokens",
     "prompt_cache_options": "cache breakpoints and lifetimes; they change latency, not tokens",
     "prompt_cache_retention": "a cache lifetime; it changes latency, not tokens",
     "messages[].content[].prompt_cache_breakpoint": "a cache breakpoint; it changes latency, not tokens",
@@ -94,11 +94,11 @@ def refused(*neutral: Any, why: str = "not supported yet") -> Any:
                                       {"why": why, "accepted": accepted})
         return value
 
-    def declare(field_schema: dict[str, Any]) -> None:
+    def neutral_only(field_schema: dict[str, Any]) -> None:
         field_schema["anyOf"] = [{"type": "null"}, *({"const": n} for n in neutral)]
 
     return Annotated[Any, AfterValidator(check),
-                     Field(description=f"Refused ({why}) unless {accepted}.", json_schema_extra=declare)]
+                     Field(description=f"Refused ({why}) unless {accepted}.", json_schema_extra=neutral_only)]
 
 
 def unsupported(why: str) -> PydanticCustomError:

@@ -119,8 +119,8 @@ class _SamplingFields(StrictRequest, RefusedSamplingFields):
     stop: str | list[str] | None = Field(
         None, description="Up to 4 strings; output ends before the first one.",
         json_schema_extra=declare(anyOf=[{"type": "string", "minLength": 1},
-                                          {"type": "array", "items": {"type": "string", "minLength": 1},
-                                           "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]),
+                                         {"type": "array", "items": {"type": "string", "minLength": 1},
+                                          "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]),
     )
     n: int = Field(1, description="Choices per request; only 1 is supported yet.",
                    json_schema_extra=declare(minimum=1, maximum=1, or_null=True))
@@ -234,8 +234,6 @@ class ContentPart(BaseModel):
 
 class ChatMessage(RefusedMessageFields):
     """One message. `name` and `tool_call_id` reach the chat template as sent (it decides what they mean)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
