@@ -116,8 +116,6 @@ class RefusedSamplingFields(BaseModel):
     logit_bias: refused({}, why="not applied yet") = None
     repetition_penalty: refused(1, why="vLLM's extension, not applied yet") = None
     min_tokens: refused(0, why="vLLM's extension, not applied yet") = None
-    stop_token_ids: refused([], why="vLLM's extension, not applied yet") = None
-    ignore_eos: refused(False, why="vLLM's extension, not applied yet") = None
 
 
 class RefusedCompletionFields(BaseModel):

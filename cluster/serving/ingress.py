@@ -202,7 +202,9 @@ class OpenAIIngress:
         except UnknownArmError as err:
             raise APIError(str(err), param=ARM_HEADER, code="unknown_arm") from None
         try:
-            params = SamplingParams(max_tokens=max_tokens, seed=body.seed, **body.sampling(serving.defaults, self.vocab_size))
+            params = SamplingParams(max_tokens=max_tokens, seed=body.seed,
+                                    **body.sampling(serving.defaults, self.vocab_size),
+                                    **body.stop_rules(self.vocab_size))
         except ValueError as err:
             raise APIError(str(err), code="invalid_value") from None
         request_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"

@@ -22,6 +22,7 @@ from cluster.serving.fields import (UNKNOWN, UNSUPPORTED, ChatFieldsNotHonoured,
                                     unsupported)
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
 MAX_TEMPERATURE = 2.0  # OpenAI's range; far larger values overflow float32 in the sampler
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (as vLLM does): 1/T would overflow the logits
 INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1
@@ -128,6 +129,10 @@ class _SamplingFields(StrictRequest, RefusedSamplingFields):
     stream: bool = Field(False, description="Stream server-sent events.", json_schema_extra=declare(or_null=True))
     stream_options: StreamOptions | None = None
     speculate: bool = Field(True, description="Extension: False decodes with the target alone (γ = 0).")
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS,
+                                             description="Extension (vLLM's): token ids that end the output, "
+                                             "which stops before them.")
+    ignore_eos: bool | None = Field(None, description="Extension (vLLM's): go on past the model's end tokens.")
 
     @field_validator("n")
     @classmethod
@@ -183,6 +188,14 @@ class _SamplingFields(StrictRequest, RefusedSamplingFields):
             top_k = None
         return {"temperature": temperature if temperature >= SAMPLING_EPS else 0.0,
                 "top_p": max(top_p, SAMPLING_EPS), "top_k": top_k}
+
+    def stop_rules(self, vocab_size: int) -> dict[str, Any]:
+        """`stop_token_ids` (each below `vocab_size`, else a 400 naming the field) and `ignore_eos`."""
+        stop_ids = tuple(self.stop_token_ids or ())
+        if any(not 0 <= i < vocab_size for i in stop_ids):
+            raise APIError(f"stop_token_ids: every id must be in [0, {vocab_size}), got {list(stop_ids)}",
+                           param="stop_token_ids", code="invalid_value")
+        return {"stop_token_ids": stop_ids, "ignore_eos": bool(self.ignore_eos)}
 
 
 class CompletionRequest(_SamplingFields, RefusedCompletionFields):

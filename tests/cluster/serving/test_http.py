@@ -157,6 +157,26 @@ def test_stop_string_truncates(client):
     assert _wait_idle()["active_requests"] == []
 
 
+
+def test_stop_token_ids_end_the_output_before_them(client, smollm2_tokenizer):
+    prompt = "the cat sat on the mat and the cat sat"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_headers={ARM: "exact"}).choices[0].text
+    ids = smollm2_tokenizer.encode(first, add_special_tokens=False)
+    if len(ids) != 1 or smollm2_tokenizer.decode(ids) != first:
+        pytest.skip(f"the first greedy token's text {first!r} does not map back to one id")
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                             stream=stream, extra_body={"stop_token_ids": ids, "ignore_eos": True},
+                                             extra_headers={ARM: "exact"})
+        if stream:
+            chunks = list(response)
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = response.choices[0].text, response.choices[0].finish_reason
+        assert (text, reason) == ("", "stop")
+    assert _wait_idle()["active_requests"] == []
+
 BAD_REQUESTS = [
     ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
@@ -171,6 +191,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [49152]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", ["not", "an", "object"], 400, None),
     ("/v1/completions", {"prompt": "hi"}, 400, "model"),

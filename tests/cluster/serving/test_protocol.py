@@ -233,7 +233,7 @@ CHAT_REFUSED = [  # (field, a value that asks for something)
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("moderation", {"model": "omni"}), ("reasoning_effort", "high"),
     ("verbosity", "low"), ("web_search_options", {}), ("store", True), ("n", 2),
-    ("repetition_penalty", 1.2), ("min_tokens", 4), ("stop_token_ids", [2]), ("ignore_eos", True),
+    ("repetition_penalty", 1.2), ("min_tokens", 4),
 ]
 COMPLETION_REFUSED = [
     ("logprobs", 0), ("logprobs", 5), ("best_of", 3), ("suffix", " end"), ("echo", True), ("n", 3),
@@ -243,7 +243,7 @@ CHAT_NEUTRAL = {
     "logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
     "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [],
     "function_call": "none", "modalities": ["text"], "reasoning_effort": "none", "verbosity": "medium",
-    "store": False, "n": 1, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "ignore_eos": False,
+    "store": False, "n": 1, "repetition_penalty": 1.0, "min_tokens": 0,
     "audio": None, "moderation": None, "web_search_options": None,
 }
 COMPLETION_NEUTRAL = {"logprobs": None, "best_of": 1, "suffix": "", "echo": False, "n": 1, "frequency_penalty": 0,
@@ -379,3 +379,13 @@ def test_every_body_accepted_is_one_the_openapi_document_declares():
             run()
     assert not undeclared, undeclared[:3]
     assert min(accepted[path, "positive"] for path in ("/v1/completions", "/v1/chat/completions")) >= 10, accepted
+
+
+def test_stop_token_ids_and_ignore_eos_are_honoured():
+    request = _chat(stop_token_ids=[2, 7], ignore_eos=True)
+    assert request.stop_rules(vocab_size=49152) == {"stop_token_ids": (2, 7), "ignore_eos": True}
+    assert _chat().stop_rules(vocab_size=49152) == {"stop_token_ids": (), "ignore_eos": False}
+    for ids in ([49152], [-1]):
+        with pytest.raises(APIError) as info:
+            _chat(stop_token_ids=ids).stop_rules(vocab_size=49152)
+        assert info.value.status == 400 and info.value.param == "stop_token_ids"
