@@ -4,6 +4,8 @@
 - `suffix.SuffixDrafter`: suffix-automaton matching over the request and a cache of recent outputs, with a
   confidence per draft token that sets each row's draft length; microseconds, in the coordinator's process.
 - `model.ModelDrafter`: a small causal LM with its own engine; in its own Ray actor on a cluster.
+- kind 'vllm': vLLM's own proposer (`method`: draft_model, EAGLE, MTP) inside the target's vLLM worker, which
+  `actors.engines.vllm` attaches to; nothing of it runs here.
 
 `make_drafter` is the one place a drafter is built from its settings (the in-process unit, the drafter actor
 and the benchmarks all call it); `LocalDrafter` is the coordinator's async view of an in-process drafter.
@@ -23,13 +25,14 @@ from actors.drafting.suffix import SuffixDrafter
 __all__ = ["DrafterSetup", "LocalDrafter", "ModelDrafter", "NgramDrafter", "SuffixDrafter", "check_vocab",
            "make_drafter", "ngram_lookup"]
 
-DRAFTER_KINDS = ("ngram", "suffix", "model", "none")
+DRAFTER_KINDS = ("ngram", "suffix", "model", "vllm", "none")
 
 
 @dataclass(frozen=True)
 class DrafterSetup:
-    """How a unit drafts: `kind` ngram | suffix | model | none, the in-process drafters' settings, and the model
-    drafter's own dtype, device and actor."""
+    """How a unit drafts: `kind` ngram | suffix | model | vllm | none, the in-process drafters' settings, the model
+    drafter's own dtype, device and actor, and for kind 'vllm' vLLM's proposer (`method`, `source`, and the rest
+    of vLLM's speculative settings in `engine_kwargs`)."""
 
     kind: str = "ngram"
     source: str | None = None  # model drafter's source (as target sources)
@@ -42,17 +45,35 @@ class DrafterSetup:
     suffix_cache_tokens: int = 65536  # the unit's cache of recent outputs (0: off)
     resources: dict = field(default_factory=dict)  # Ray resources of the drafter actor: num_cpus, num_gpus, memory_gb
     engine: str = "native"  # what runs a model drafter: native, or vllm (actors.engines.vllm.drafter)
-    engine_kwargs: dict = field(default_factory=dict)  # engine vllm: vLLM's engine arguments
+    engine_kwargs: dict = field(default_factory=dict)  # engine vllm: vLLM's engine arguments; kind vllm: speculative
+    method: str | None = None  # kind vllm: vLLM's speculative method (draft_model, eagle, eagle3, mtp)
 
     def __post_init__(self):
         if self.kind not in DRAFTER_KINDS:
             raise ValueError(f"kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
         if self.kind == "model" and not self.source:
             raise ValueError("source is required when kind is 'model'")
+        if self.kind == "vllm" and not self.method:
+            raise ValueError("method is required when kind is 'vllm'")
+
+    @property
+    def in_target_engine(self) -> bool:
+        """vLLM's own proposer drafts, inside the target's vLLM engine (kind 'vllm')."""
+        return self.kind == "vllm"
+
+    def speculative_config(self, gamma_max: int) -> dict:
+        """Kind 'vllm': vLLM's `speculative_config`, drafting up to `gamma_max` tokens a step."""
+        from actors.sources import resolve
+
+        model = str(resolve(self.source)) if self.source else None
+        return {**self.engine_kwargs, "method": self.method, "model": model,
+                "num_speculative_tokens": max(1, gamma_max)}
 
 
 def make_drafter(setup: DrafterSetup, *, max_slots: int, max_seq_len: int | None) -> Drafter | None:
     """The drafter `setup` describes, in this process (None for kind 'none')."""
+    if setup.kind == "vllm":
+        raise ValueError("drafter.kind 'vllm' runs inside the target's vLLM engine: it needs target.engine 'vllm'")
     if setup.kind == "ngram":
         return NgramDrafter(setup.prompt_lookup_min, setup.prompt_lookup_max)
     if setup.kind == "suffix":

@@ -5,7 +5,11 @@
 - `propose_draft_token_ids`: hands the runner to specserve's proposer (`worker.WORKER`), which reads the batch's
   request ids and sampling parameters from it;
 - `_sample`: after vLLM's rejection sampler, rows of greedy ASD requests are re-verified on the raw target
-  logits (`worker.WorkerState.verify_asd`).
+  logits (`worker.WorkerState.verify_asd`); with vLLM's own proposer (drafter kind 'vllm') the step is then
+  accounted and each row's γ chosen (`plan`);
+- with vLLM's own proposer, `propose_draft_token_ids` drafts the step's largest γ (`draft_len`, in place of
+  vLLM's fixed k) and `take_draft_token_ids` cuts each row's drafts to its γ (`cut`) before the scheduler
+  schedules them;
 
 makes vLLM's processes end with the unit's (`_die_with_parent`), passes vLLM's start errors to the unit
 (`_report_errors`), and adds an `EngineCore` utility, `specserve_kv_stats` (free and total KV blocks, running
@@ -16,17 +20,17 @@ internals; `actors.engines.vllm.VLLM_RANGE` pins the versions they were written 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import os
 import signal
 import sys
+import time
 
 from actors.engines.vllm import PARENT_DEATH_ENV  # set by VllmUnit.start for the processes vLLM spawns
 
 log = logging.getLogger(__name__)
-
-
 
 
 def _die_with_parent() -> None:
@@ -71,25 +75,51 @@ def register() -> None:
         return
     GPUModelRunner._specserve_hooks = True
     propose, sample = GPUModelRunner.propose_draft_token_ids, GPUModelRunner._sample
+    take = GPUModelRunner.take_draft_token_ids
 
-    def propose_draft_token_ids(self, *args, **kwargs):
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         from actors.engines.vllm import worker
 
         if worker.WORKER is not None and worker.WORKER.runner is None:
             worker.WORKER.runner = self
-        return propose(self, *args, **kwargs)
+        state = worker.state_for(self)
+        if state is None or not state.in_vllm:
+            return propose(self, scheduler_output, *args, **kwargs)
+        step = copy.copy(scheduler_output)  # the scheduler's own object stays as it was
+        step.num_spec_tokens_to_schedule = state.draft_len
+        start = time.perf_counter()
+        out = propose(self, step, *args, **kwargs)
+        state.drafted(time.perf_counter() - start)
+        return out
 
     def _sample(self, logits, spec_decode_metadata):
         out = sample(self, logits, spec_decode_metadata)
-        if spec_decode_metadata is not None:
-            from actors.engines.vllm import worker
+        from actors.engines.vllm import worker
 
-            if worker.WORKER is not None and worker.WORKER.runner is self:
-                try:  # an exception here would kill vLLM's engine; vLLM's exact verdict stands instead
-                    worker.WORKER.verify_asd(logits, spec_decode_metadata, out)
-                except Exception:
-                    log.exception("specserve ASD verification failed; this step keeps the exact verdict")
+        state = worker.state_for(self)
+        if state is None:
+            return out
+        if spec_decode_metadata is not None:
+            try:  # an exception here would kill vLLM's engine; vLLM's exact verdict stands instead
+                state.verify_asd(logits, spec_decode_metadata, out)
+            except Exception:
+                log.exception("specserve ASD verification failed; this step keeps the exact verdict")
+        if state.in_vllm:
+            try:  # as above: a failure drafts nothing this step instead of killing the engine
+                state.plan(out.sampled_token_ids, self.discard_request_mask.np[: self.input_batch.num_reqs])
+            except Exception:
+                log.exception("specserve planning failed; no drafts this step")
+                state.draft_len, state._gammas = 0, {}
         return out
+
+    def take_draft_token_ids(self):
+        drafts = take(self)
+        from actors.engines.vllm import worker
+
+        state = worker.WORKER
+        if drafts is None or state is None or state.runner is not self or not state.in_vllm:
+            return drafts
+        return type(drafts)(drafts.req_ids, state.cut(drafts.req_ids, drafts.draft_token_ids))
 
     def specserve_kv_stats(self) -> dict:
         manager = self.scheduler.kv_cache_manager
@@ -99,4 +129,5 @@ def register() -> None:
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._sample = _sample
+    GPUModelRunner.take_draft_token_ids = take_draft_token_ids
     EngineCore.specserve_kv_stats = specserve_kv_stats

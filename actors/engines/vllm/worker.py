@@ -2,10 +2,12 @@
 
 vLLM builds `SpecserveProposer(vllm_config)` in each worker (`speculative_config.method = "custom_class"`) and
 calls `propose` once per engine step for every request of the batch (row i is `runner.input_batch.req_ids[i]`);
-`plugin.register` hands it the runner and calls `verify_asd` after vLLM's rejection sampler. Per request the
-worker keeps the shared `RequestBook` (`actors.bookkeeping`) and its ledger lease in a `UnitPolicy` that
-reports to the app's policy actor (tensor-parallel rank 0 only; every rank verifies alike). The unit takes a
-finished request's book with `collective_rpc("specserve_take", ...)`.
+`plugin.register` hands it the runner and calls `verify_asd` after vLLM's rejection sampler. With drafter kind
+'vllm' vLLM's own proposer drafts, and the plugin's hooks call `plan` (account the step, choose each row's γ),
+read `draft_len` (the step's draft length) and call `cut` (each row's drafts to its γ). Per request the worker
+keeps the shared `RequestBook` (`actors.bookkeeping`) and its ledger lease in a `UnitPolicy` that reports to the
+app's policy actor (tensor-parallel rank 0 only; every rank verifies alike). The unit takes a finished request's
+book with `collective_rpc("specserve_take", ...)`.
 """
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ class WorkerState:
     def __init__(self, settings: dict[str, Any], gamma_max: int, max_model_len: int):
         rank0 = _tensor_parallel_rank() == 0
         self.policy = _policy(settings, rank0)
-        if settings["drafter"]["kind"] == "model":
+        self.in_vllm = bool(settings.get("vllm_proposer"))  # vLLM's own proposer drafts (plan / cut)
+        if self.in_vllm:
+            self.drafter = None
+        elif settings["drafter"]["kind"] == "model":
             from actors.remote.drafter import NamedDrafterClient
 
             self.drafter = NamedDrafterClient(**settings["drafter_actor"], rank0=rank0)
@@ -85,7 +90,11 @@ class WorkerState:
         self.runner = None  # vLLM's model runner, set by plugin.register's hook before the first propose
         self._last_step_t: float | None = None
         self._last_draft_s = 0.0
+        self._last_draft_steps = 0  # sequential drafter steps behind `_last_draft_s`
         self._last_score_tokens = 1
+        self._gammas: dict[str, int] = {}  # kind vllm: vLLM's internal id -> γ of the step being drafted
+        self.draft_len = 0  # kind vllm: the step's draft length (the largest γ)
+        self.verified: dict[int, int] = {}  # draft tokens verified in one row -> rows (vLLM's rejection sampler)
         # Tests read every ASD verification back (`settings["record_asd"]`): inputs, ledger state and verdict.
         self.asd_log: list[dict[str, Any]] | None = [] if settings.get("record_asd") else None
 
@@ -132,29 +141,9 @@ class WorkerState:
     # --- one engine step ---------------------------------------------------------------------------------
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray) -> list[list[int]]:
-        """Account for the tokens this step emitted, learn, and draft for the next step."""
-        now = time.perf_counter()
-        req_ids = self.runner.input_batch.req_ids
-        batch = len(sampled_token_ids)
-        step_s = None if self._last_step_t is None else now - self._last_step_t
-        self._last_step_t = now
-        rows: list[tuple[int, RequestBook, int]] = []
-        prefill = False  # the step fed a prompt (chunk): its time is not a decode step's
-        for i in range(batch):
-            known = req_ids[i] in self._rid_of
-            book = self._book(req_ids[i])
-            prefill = prefill or not known or not sampled_token_ids[i]
-            if book is None or not sampled_token_ids[i]:
-                continue  # not ours, or a prompt chunk that emitted nothing
-            self._account(book, len(sampled_token_ids[i]))
-            rows.append((i, book, self._gamma(book, batch, int(num_tokens_no_spec[i]))))
-        if step_s is not None and batch and not prefill:
-            # One decode step: forward over 1 + γ tokens per row and sampling; the last draft's time is c's, not
-            # the forward's (it ran inside the step too)
-            score_s = max(step_s - self._last_draft_s, 1e-6)
-            draft_step_s = self._last_draft_s / max(1, self._last_score_tokens - 1) if self._last_draft_s else None
-            self.policy.observe_costs(batch, draft_step_s, {self._last_score_tokens: score_s})
-        drafts: list[list[int]] = [[] for _ in range(batch)]
+        """Account for the tokens this step emitted, learn, and draft for the next step (specserve's drafter)."""
+        rows = self._round([len(t) for t in sampled_token_ids], num_tokens_no_spec[: len(sampled_token_ids)].tolist())
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         wanted = [(i, book, g) for i, book, g in rows if g > 0]
         self._last_draft_s = 0.0
         if wanted and self.drafter is not None:
@@ -174,14 +163,71 @@ class WorkerState:
                 if batch_drafts.confidence is not None:
                     self._drafted[book.rid] = (lens[j], (tuple(batch_drafts.confidence[j, : lens[j]].tolist()),
                                                          int(batch_drafts.match_lens[j])))
+        self._end_round(rows, [len(d) for d in drafts])
+        self._last_draft_steps = self._last_score_tokens - 1
+        return drafts
+
+    def plan(self, sampled: torch.Tensor, discard: np.ndarray) -> None:
+        """Kind 'vllm', after each step's sampling: account the step and choose each row's γ for the next one.
+
+        `sampled` [B, 1 + K]: each row's kept tokens, -1 past them; a row of `discard` (a prompt chunk) emitted
+        nothing. Sets `draft_len` and the γs `cut` applies."""
+        vocab = self.runner.input_batch.vocab_size
+        tokens = sampled.tolist()
+        emitted = [0 if discard[i] else sum(1 for t in row if 0 <= t < vocab) for i, row in enumerate(tokens)]
+        before = self.runner.input_batch.num_tokens_no_spec  # this step's tokens are not in it yet
+        rows = self._round(emitted, [int(before[i]) + e for i, e in enumerate(emitted)])
+        req_ids = self.runner.input_batch.req_ids
+        self._gammas = {req_ids[i]: g for i, _, g in rows}
+        self.draft_len = max(self._gammas.values(), default=0)
+        self._end_round(rows, [self._gammas.get(r, 0) for r in req_ids[: len(tokens)]])
+
+    def drafted(self, seconds: float) -> None:
+        """Kind 'vllm': vLLM's proposer took `seconds` for `draft_len` steps. With none, its pass over the step's
+        tokens (which keeps its KV cache in step with the target's) is a fixed cost of the step, not c's."""
+        self._last_draft_s, self._last_draft_steps = (seconds, self.draft_len) if self.draft_len else (0.0, 0)
+
+    def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+        """Kind 'vllm': each row's drafts cut to its γ (rows specserve did not plan keep vLLM's)."""
+        gammas, self._gammas = self._gammas, {}
+        return [d[: gammas[r]] if r in gammas else d for r, d in zip(req_ids, drafts)]
+
+    def _round(self, emitted: list[int], num_tokens: list[int]) -> list[tuple[int, RequestBook, int]]:
+        """Account the `emitted` tokens of each row (0: a prompt chunk), feed the last step's costs to the
+        policy, and choose each specserve row's γ for the next step: (row, book, γ). `num_tokens`: each row's
+        context after this step."""
+        now = time.perf_counter()
+        req_ids = self.runner.input_batch.req_ids
+        batch = len(emitted)
+        step_s = None if self._last_step_t is None else now - self._last_step_t
+        self._last_step_t = now
+        rows: list[tuple[int, RequestBook, int]] = []
+        prefill = False  # the step fed a prompt (chunk): its time is not a decode step's
+        for i in range(batch):
+            known = req_ids[i] in self._rid_of
+            book = self._book(req_ids[i])
+            prefill = prefill or not known or not emitted[i]
+            if book is None or not emitted[i]:
+                continue  # not ours, or a prompt chunk that emitted nothing
+            self._account(book, emitted[i])
+            rows.append((i, book, self._gamma(book, batch, num_tokens[i])))
+        if step_s is not None and batch and not prefill:
+            # One decode step: forward over 1 + γ tokens per row and sampling; the last draft's time is c's, not
+            # the forward's (it ran inside the step too)
+            score_s = max(step_s - self._last_draft_s, 1e-6)
+            draft_step_s = self._last_draft_s / max(1, self._last_draft_steps) if self._last_draft_s else None
+            self.policy.observe_costs(batch, draft_step_s, {self._last_score_tokens: score_s})
+        return rows
+
+    def _end_round(self, rows: list[tuple[int, RequestBook, int]], lens: list[int]) -> None:
+        """The rows' drafts for the next step are `lens[i]` long (what `_account` reads back after it)."""
         for i, book, _ in rows:
-            if book.rid not in self._drafted or self._drafted[book.rid][0] != len(drafts[i]):
-                self._drafted[book.rid] = (len(drafts[i]), ((), 0))
-        self._last_score_tokens = 1 + round(sum(len(d) for d in drafts) / max(batch, 1))
+            if book.rid not in self._drafted or self._drafted[book.rid][0] != lens[i]:
+                self._drafted[book.rid] = (lens[i], ((), 0))
+        self._last_score_tokens = 1 + round(sum(lens) / max(len(lens), 1))
         self.policy.flush()
         if len(self.books) > _PRUNE_AT:
             self._prune()
-        return drafts
 
     def _account(self, book: RequestBook, emitted: int) -> None:
         """The step that just ran emitted `emitted` tokens for the request, after drafting what `_drafted` says."""
@@ -217,6 +263,8 @@ class WorkerState:
         """
         req_ids = self.runner.input_batch.req_ids
         counts = list(metadata.num_draft_tokens)
+        for k in counts:
+            self.verified[k] = self.verified.get(k, 0) + 1
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int) if counts else []
         groups: dict[ASDConfig, list[tuple[int, str, int]]] = {}
         for b, k in enumerate(counts):
@@ -276,6 +324,21 @@ class WorkerState:
 WORKER: WorkerState | None = None  # this process's state (one vLLM worker per process)
 
 
+def state_for(runner) -> WorkerState | None:
+    """This process's state when it serves `runner`: built here on first use for vLLM's own proposers (drafter
+    kind 'vllm'; `SpecserveProposer` builds it otherwise). None for an engine started without specserve."""
+    global WORKER
+    if WORKER is None:
+        settings = (runner.vllm_config.additional_config or {}).get(KEY)
+        if settings is None or not settings.get("vllm_proposer") or runner.speculative_config is None:
+            return None
+        WORKER = WorkerState(settings, runner.speculative_config.num_speculative_tokens,
+                             runner.model_config.max_model_len)
+    if WORKER.runner is None:
+        WORKER.runner = runner
+    return WORKER if WORKER.runner is runner else None
+
+
 def _tensor_parallel_rank() -> int:
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -324,6 +387,10 @@ class SpecserveWorkerExtension:
         """Report what the worker observed to the authority now, and wait for it (the unit went idle)."""
         if WORKER is not None:
             WORKER.policy.flush(wait=True)
+
+    def specserve_verified(self) -> dict[int, int]:
+        """Rows of vLLM's verification steps by the number of draft tokens they verified (0 included)."""
+        return {} if WORKER is None else dict(WORKER.verified)
 
     def specserve_live(self) -> dict[str, list[str]]:
         return {"requests": [], "ledgers": [], "drafter": []} if WORKER is None else WORKER.live()
