@@ -18,10 +18,56 @@ ENGINE_KWARGS_DESCRIPTION = (
 DRAFTER_ENGINE_DESCRIPTION = ("What executes a model drafter (kind 'model'): 'native', or 'vllm' (greedy drafts; for "
                               "a target on engine 'vllm').")
 
+VllmMethod = Literal["draft_model", "eagle", "eagle3", "mtp"]
+VLLM_METHODS_BUILT = ("draft_model",)  # attached and tested; the others fail at load until they are
+METHOD_DESCRIPTION = (
+    "kind 'vllm' only: vLLM's own proposer, run inside the target's vLLM worker with specserve's γ per request "
+    "(docs/architecture.md, 'The vLLM engine'): 'draft_model' (a small model of the target's vocabulary, "
+    "`source`), 'eagle' / 'eagle3' (a head, `source`), 'mtp' (the target's own MTP layers, no `source`).")
+DRAFTER_KWARGS_DESCRIPTION = (
+    "drafter.engine 'vllm': vLLM's engine arguments for the drafter's own engine; kind 'vllm': the rest of vLLM's "
+    "`speculative_config` (e.g. draft_tensor_parallel_size, rejection_sample_method), as they are.")
+# vLLM speculative settings specserve sets (dynamic SD's per-batch-size k would be a second γ policy)
+SPECULATIVE_OWNED = ("method", "model", "num_speculative_tokens", "num_speculative_tokens_per_batch_size")
 
-def check_drafter_engine(drafter_engine: str, target_engine: str) -> None:
-    if drafter_engine == "vllm" and target_engine != "vllm":
+
+def check_drafter_kwargs(kind: str, method: str | None, source: str | None, engine: str,
+                         kwargs: dict[str, Any]) -> None:
+    """`drafter.engine`, `method`, `source` and `engine_kwargs` for the drafter's kind (the error names the field)."""
+    if engine == "vllm" and kind != "model":
+        raise ValueError(f"engine 'vllm' is for model drafters (kind 'model'), not kind {kind!r}")
+    if kind != "vllm":
+        if method is not None:
+            raise ValueError(f"drafter.method is only used when drafter.kind is 'vllm', not {kind!r}")
+        check_engine_kwargs(engine, kwargs)
+        return
+    if method is None:
+        raise ValueError("drafter.method is required when drafter.kind is 'vllm'")
+    if method not in VLLM_METHODS_BUILT:
+        raise ValueError(f"drafter.method {method!r} is not available yet; built: {list(VLLM_METHODS_BUILT)}")
+    if method != "mtp" and source is None:
+        raise ValueError(f"drafter.source (the draft model or head) is required for drafter.method {method!r}")
+    owned = sorted(set(kwargs) & set(SPECULATIVE_OWNED))
+    if owned:
+        raise ValueError(f"drafter.engine_kwargs may not set {owned}: specserve sets them from drafter.method, "
+                         "drafter.source and its γ policy (gamma)")
+
+
+def check_drafter_engine(drafter, target) -> None:
+    """The drafter (`DrafterSpec`) against the target's engine and settings (`ModelSpec`)."""
+    if drafter.engine == "vllm" and target.engine != "vllm":
         raise ValueError("drafter.engine 'vllm' drafts greedily, which needs a target on engine 'vllm'")
+    if drafter.kind != "vllm":
+        return
+    if target.engine != "vllm":
+        raise ValueError("drafter.kind 'vllm' runs vLLM's own proposer inside the target's engine: it needs "
+                         "target.engine 'vllm'")
+    if target.tensor_parallel_size != 1:
+        raise ValueError("drafter.kind 'vllm' with target.tensor_parallel_size > 1 is not available yet (every "
+                         "rank must draft the same length each step)")
+    if target.engine_kwargs.get("async_scheduling"):
+        raise ValueError("target.engine_kwargs.async_scheduling is not available with drafter.kind 'vllm' yet "
+                         "(specserve cuts each row's drafts where vLLM's synchronous scheduler takes them)")
 
 
 def check_engine_kwargs(engine: str, kwargs: dict[str, Any], prefill_chunk_tokens: int | None = None) -> None:

@@ -12,8 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from cluster.config.engines import (DRAFTER_ENGINE_DESCRIPTION, ENGINE_DESCRIPTION, ENGINE_KWARGS_DESCRIPTION, Engine,
-                                    check_arms_on_engine, check_drafter_engine, check_engine_kwargs)
+from cluster.config.engines import (DRAFTER_ENGINE_DESCRIPTION, DRAFTER_KWARGS_DESCRIPTION, ENGINE_DESCRIPTION,
+                                    ENGINE_KWARGS_DESCRIPTION, METHOD_DESCRIPTION, Engine, VllmMethod,
+                                    check_arms_on_engine, check_drafter_engine, check_drafter_kwargs,
+                                    check_engine_kwargs)
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
@@ -86,12 +88,12 @@ class ModelSpec(_Strict):
 
 
 class DrafterSpec(_Strict):
-    """The drafter: prompt-lookup n-grams, suffix matching with confidences, a small model, or none (plain)."""
+    """The drafter: n-grams, suffix matching, a small model, vLLM's own proposer (kind 'vllm'), or none (plain)."""
 
-    kind: Literal["ngram", "suffix", "model", "none"] = Field("ngram", description="How draft tokens are proposed.")
-    source: str | None = Field(
-        None, min_length=1, description="Drafter model (same forms as target.source); only for kind 'model'."
-    )
+    kind: Literal["ngram", "suffix", "model", "vllm", "none"] = Field("ngram", description="How drafts are proposed.")
+    source: str | None = Field(None, min_length=1, description="Drafter model or head (same forms as target.source); "
+                               "for kind 'model' or 'vllm'.")
+    method: VllmMethod | None = Field(None, description=METHOD_DESCRIPTION)
     prompt_lookup_min: int = Field(1, ge=1, le=16, description="Shortest n-gram matched in the context (ngram).")
     prompt_lookup_max: int = Field(4, ge=1, le=16, description="Longest n-gram matched in the context (ngram).")
     suffix_max_depth: int = Field(32, ge=1, le=256, description="Longest context suffix matched (suffix).")
@@ -103,22 +105,20 @@ class DrafterSpec(_Strict):
     dtype: Dtype = Field("float32", description="Drafter model dtype (kind 'model').")
     device: Device = Field("cpu", description="Where the drafter runs.")
     engine: Engine = Field("native", description=DRAFTER_ENGINE_DESCRIPTION)
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description=ENGINE_KWARGS_DESCRIPTION)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description=DRAFTER_KWARGS_DESCRIPTION)
     resources: ActorResources = Field(default_factory=ActorResources, description="Ray resources of the drafter actor.")
 
     @model_validator(mode="after")
     def _source_matches_kind(self) -> DrafterSpec:
         if self.kind == "model" and self.source is None:
             raise ValueError("source is required when kind is 'model'")
-        if self.kind != "model" and self.source is not None:
-            raise ValueError(f"source is only used when kind is 'model', not {self.kind!r}")
+        if self.kind not in ("model", "vllm") and self.source is not None:
+            raise ValueError(f"source is only used when kind is 'model' or 'vllm', not {self.kind!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if 0 < self.suffix_cache_tokens < 64:
             raise ValueError("suffix_cache_tokens must be 0 (off) or >= 64")
-        if self.engine == "vllm" and self.kind != "model":
-            raise ValueError(f"engine 'vllm' is for model drafters (kind 'model'), not kind {self.kind!r}")
-        check_engine_kwargs(self.engine, self.engine_kwargs)
+        check_drafter_kwargs(self.kind, self.method, self.source, self.engine, self.engine_kwargs)
         if self.device == "cuda" and self.resources.num_gpus <= 0:
             raise ValueError("resources.num_gpus must be > 0 when device is 'cuda'")
         return self
@@ -387,7 +387,7 @@ class SpecServeConfig(_Strict):
                 raise ValueError(f"audit.reference_arm {reference.name!r} must be an exact arm")
         if self.target.max_seq_len is not None and self.serving.max_tokens_limit >= self.target.max_seq_len:
             raise ValueError("serving.max_tokens_limit must be < target.max_seq_len (the prompt needs room)")
-        check_drafter_engine(self.drafter.engine, self.target.engine)
+        check_drafter_engine(self.drafter, self.target)
         check_arms_on_engine(self.target.engine, self.arms)
         return self
 

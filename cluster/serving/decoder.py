@@ -94,7 +94,7 @@ def unit_setup(config: SpecServeConfig) -> dict[str, Any]:
             prompt_lookup_min=drafter.prompt_lookup_min, prompt_lookup_max=drafter.prompt_lookup_max,
             suffix_max_depth=drafter.suffix_max_depth, suffix_min_confidence=drafter.suffix_min_confidence,
             suffix_cache_tokens=drafter.suffix_cache_tokens, resources=drafter.resources.model_dump(),
-            engine=drafter.engine, engine_kwargs=dict(drafter.engine_kwargs),
+            engine=drafter.engine, engine_kwargs=dict(drafter.engine_kwargs), method=drafter.method,
         ),
         torch_threads=config.unit.torch_threads,
     )

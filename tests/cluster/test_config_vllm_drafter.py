@@ -1,0 +1,52 @@
+"""`drafter.kind: vllm` (vLLM's own proposer inside the target's vLLM engine): its fields, the checks that name
+them, and how they reach `DrafterSetup` and vLLM's `speculative_config`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ConfigError, parse_config
+
+BASE = yaml.safe_load(Path("configs/local-vllm.yaml").read_text())
+DRAFT_MODEL = {"kind": "vllm", "method": "draft_model", "source": "embedded:smollm2"}
+
+
+def test_kind_vllm_flows_typed_into_the_unit_and_vllms_speculative_config():
+    from actors.engines.vllm.unit import engine_args
+    from cluster.serving.decoder import policy_kwargs, unit_setup
+
+    cfg = parse_config({**BASE, "drafter": {**DRAFT_MODEL, "engine_kwargs": {"draft_tensor_parallel_size": 1}}})
+    setup = unit_setup(cfg)
+    drafter = setup["drafter"]
+    assert (drafter.kind, drafter.method, drafter.source) == ("vllm", "draft_model", "embedded:smollm2")
+    args = engine_args(setup["target"], drafter, policy_kwargs(cfg), model_dir="/m", max_seq_len=1024)
+    spec = args["speculative_config"]
+    assert spec["method"] == "draft_model" and spec["num_speculative_tokens"] == cfg.gamma.gamma_max
+    assert spec["model"] and spec["draft_tensor_parallel_size"] == 1
+    assert args["additional_config"]["specserve"]["vllm_proposer"] is True and args["async_scheduling"] is False
+
+
+@pytest.mark.parametrize("drafter, target, message", [
+    ({**DRAFT_MODEL, "method": "medusa"}, {}, r"drafter.method: Input should be 'draft_model'"),
+    ({**DRAFT_MODEL, "method": "eagle3"}, {}, r"drafter.method 'eagle3' is not available yet"),
+    ({"kind": "vllm", "source": "embedded:smollm2"}, {}, r"drafter.method is required"),
+    ({"kind": "vllm", "method": "draft_model"}, {}, r"drafter.source .* is required"),
+    ({"kind": "ngram", "method": "draft_model"}, {}, r"drafter.method is only used when drafter.kind is 'vllm'"),
+    ({**DRAFT_MODEL, "engine_kwargs": {"num_speculative_tokens": 3}}, {}, r"drafter.engine_kwargs may not set"),
+    (DRAFT_MODEL, {"engine": "native", "engine_kwargs": {}}, r"needs target.engine 'vllm'"),
+    (DRAFT_MODEL, {"tensor_parallel_size": 2}, r"target.tensor_parallel_size > 1 is not available yet"),
+    (DRAFT_MODEL, {"engine_kwargs": {"async_scheduling": True}}, r"target.engine_kwargs.async_scheduling"),
+])
+def test_kind_vllm_bad_input_fails_at_load_naming_the_field(drafter, target, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({**BASE, "drafter": drafter, "target": {**BASE["target"], **target}})
+
+
+def test_a_native_unit_refuses_kind_vllm():
+    from actors.drafting import DrafterSetup, make_drafter
+
+    with pytest.raises(ValueError, match="target.engine 'vllm'"):
+        make_drafter(DrafterSetup(kind="vllm", method="draft_model", source="/m"), max_slots=1, max_seq_len=64)
