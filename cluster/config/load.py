@@ -78,10 +78,12 @@ def validate_models(cfg: SpecServeConfig, model_info: Callable[[str], dict] | No
     """Checks that need the models' own configs; ValueError naming the config field.
 
     - target.tensor_parallel_size divides the target's attention heads and KV heads;
-    - a model drafter's vocabulary equals the target's (draft ids are scored by the target);
+    - a model drafter's vocabulary equals the target's (draft ids are scored by the target), and so does a
+      draft model's with drafter kind 'vllm';
+    - an EAGLE head's hidden size equals the target's (it reads the target's hidden states);
     - target.max_seq_len fits the target's position embeddings.
 
-    `model_info(source)` returns a dict with vocab_size, num_attention_heads, num_key_value_heads,
+    `model_info(source)` returns a dict with vocab_size, hidden_size, num_attention_heads, num_key_value_heads,
     max_position_embeddings (default: `actors.sources.model_info`, which reads only the model's config).
     """
     if model_info is None:
@@ -97,11 +99,17 @@ def validate_models(cfg: SpecServeConfig, model_info: Callable[[str], dict] | No
     if cfg.target.max_seq_len is not None and limit and cfg.target.max_seq_len > limit:
         raise ValueError(f"target.max_seq_len ({cfg.target.max_seq_len}) exceeds the target's "
                          f"max_position_embeddings ({limit})")
-    if cfg.drafter.kind == "model":
+    method = cfg.drafter.method if cfg.drafter.kind == "vllm" else None
+    if cfg.drafter.kind == "model" or method == "draft_model":
         drafter = model_info(cfg.drafter.source)
         if drafter["vocab_size"] != target["vocab_size"]:
             raise ValueError(f"drafter.source vocab_size ({drafter['vocab_size']}) must equal the target's "
                              f"({target['vocab_size']})")
+    if method == "eagle":
+        head = model_info(cfg.drafter.source)
+        if head["hidden_size"] != target["hidden_size"]:
+            raise ValueError(f"drafter.source hidden_size ({head['hidden_size']}) must equal the target's "
+                             f"({target['hidden_size']}): an EAGLE head reads the target's hidden states")
 
 
 def dotted_path(loc: tuple) -> str:

@@ -52,3 +52,20 @@ def test_a_native_unit_refuses_kind_vllm():
 
     with pytest.raises(ValueError, match="target.engine 'vllm'"):
         make_drafter(DrafterSetup(kind="vllm", method="draft_model", source="/m"), max_slots=1, max_seq_len=64)
+
+
+def test_a_draft_model_or_eagle_head_that_does_not_fit_the_target_fails_at_load_naming_drafter_source():
+    from cluster.config import validate_models
+
+    target = {"vocab_size": 1000, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    models = {"embedded:smollm2": target, "/small-vocab": {**target, "vocab_size": 999},
+              "/narrow": {**target, "hidden_size": 32}}
+    target_spec = {**BASE["target"], "source": "embedded:smollm2", "max_seq_len": None}
+    for method, source, message in [("draft_model", "/small-vocab", r"drafter.source vocab_size \(999\)"),
+                                    ("eagle", "/narrow", r"drafter.source hidden_size \(32\)")]:
+        drafter = {"kind": "vllm", "method": method, "source": source}
+        cfg = parse_config({**BASE, "target": target_spec, "drafter": drafter})
+        with pytest.raises(ValueError, match=message):
+            validate_models(cfg, model_info=models.__getitem__)
+    validate_models(parse_config({**BASE, "target": target_spec, "drafter": {**DRAFT_MODEL, "method": "eagle"}}),
+                    model_info=models.__getitem__)
