@@ -13,6 +13,7 @@ is stopped.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -175,7 +176,7 @@ def test_gamma_is_the_policys(unit, prompts, plain_greedy):
 
 def test_asd_verdicts_replay_and_no_ledger_is_overspent(unit, prompts):
     """Every ASD verification of drafts from vLLM's proposer replays with `verify_asd_scores` from its logged
-    target scores and ledger spend, and no request spends beyond its budget."""
+    target scores and ledger spend, no request spends beyond its budget, and nothing is left behind."""
     arm = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=3.0))
     before = len(unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0])
     results = unit.generate_many_sync([greedy(f"d{i}", p, arm=arm) for i, p in enumerate(prompts)])
@@ -193,6 +194,15 @@ def test_asd_verdicts_replay_and_no_ledger_is_overspent(unit, prompts):
         assert max(entry["draft_lens"]) <= GAMMA_MAX
     records = [r.record for r in results]
     assert all(r.verification == "asd" and 0.0 <= r.regret_spent <= 3.0 + 1e-9 for r in records)
+    # nothing left behind: no book or ledger in the worker, every KV block free again (vLLM's block pool)
+    for _ in range(50):  # the engine core frees a finished request's blocks on its next step
+        kv = unit.run_sync(unit.kv_stats())
+        if kv["free_blocks"] >= kv["total_blocks"] - 1 and not kv["running"]:
+            break
+        time.sleep(0.1)
+    live = unit.run_sync(unit.worker_state())
+    assert live["requests"] == [] and live["ledgers"] == []
+    assert kv["free_blocks"] >= kv["total_blocks"] - 1 and kv["running"] == kv["waiting"] == 0
 
 
 def test_smollm2_drafting_for_itself_accepts_nearly_all_and_is_greedy_identical(smollm2_tokenizer):
