@@ -131,6 +131,9 @@ class ASDSettings(_Strict):
                      "r_i (logits) <= g * (K - i), or g * (K - i) / K with gate 'fraction'. 0 disables relaxation.")
     max_relaxed_per_block: int = Field(2, ge=0, description="M: most mismatches accepted in one block.")
     budget: float = Field(8.0, ge=0, description="B: cumulative regret allowed per request; 0 is exactly greedy.")
+    gate: Literal["remaining", "fraction"] = Field("remaining", description="The gate's form: 'remaining', the ASD "
+        "paper's r_i <= g * (K - i); 'fraction', r_i <= g * (K - i) / K (the form before issue 25: a g means something "
+        "else under each). Greedy requests only: asd.sampled relaxed always uses (K - i) / K (docs/asd-sampled.md).")
     sampled: Literal["exact", "relaxed"] = Field(
         "exact", description="How sampled requests (temperature > 0) on this arm are verified: 'exact' "
         "speculative sampling, or 'relaxed', the approximate rule of docs/asd-sampled.md with the same g, M and B "
@@ -138,9 +141,6 @@ class ASDSettings(_Strict):
     )
 
 
-    gate: Literal["remaining", "fraction"] = Field("remaining", description="The gate's form: 'remaining', the ASD "
-        "paper's r_i <= g * (K - i); 'fraction', r_i <= g * (K - i) / K (the form before issue 25: a g means something "
-        "else under each). Greedy requests only: asd.sampled relaxed always uses (K - i) / K (docs/asd-sampled.md).")
 class ArmConfig(_Strict):
     """A named verification setting that traffic is split across (A/B arms)."""
 
