@@ -36,7 +36,9 @@ def _stand_in_for_pydantic() -> None:
         import types
 
         stand_in = types.ModuleType("pydantic")
-        stand_in.Field = lambda *args, **kwargs: dataclasses.field()
+        # Field(default, ...) keeps its default (ASDConfig.gate has one); Field(...) alone is a required field
+        stand_in.Field = lambda *args, **kwargs: (dataclasses.field(default=args[0]) if args and args[0] is not ...
+                                                  else dataclasses.field())
         stand_in.dataclasses = types.ModuleType("pydantic.dataclasses")
         stand_in.dataclasses.dataclass = dataclasses.dataclass
         sys.modules["pydantic"], sys.modules["pydantic.dataclasses"] = stand_in, stand_in.dataclasses

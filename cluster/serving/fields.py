@@ -59,9 +59,10 @@ def declare(*, or_null: bool = False, **schema: Any):
 
 
 class StrictRequest(BaseModel):
-    """A request model: an unknown field is a 400 naming it; null for a field of NULL_IS_DEFAULT is its default."""
+    """A request model: an unknown field is a 400 naming it; null for a field of NULL_IS_DEFAULT is its default;
+    values are not coerced across JSON types (`true` is not the integer 1, nor `1` the boolean true)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod

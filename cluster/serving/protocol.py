@@ -98,7 +98,7 @@ def _is_type_name(part: str) -> bool:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = Field(False, description="Send a final chunk carrying `usage` (with `speculative`).")
     include_obfuscation: bool | None = Field(None, description="Ignored: chunks are sent without padding.")
@@ -238,7 +238,7 @@ class CompletionRequest(_SamplingFields, RefusedCompletionFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: str

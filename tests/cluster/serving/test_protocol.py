@@ -389,3 +389,13 @@ def test_stop_token_ids_and_ignore_eos_are_honoured():
         with pytest.raises(APIError) as info:
             _chat(stop_token_ids=ids).stop_rules(vocab_size=49152)
         assert info.value.status == 400 and info.value.param == "stop_token_ids"
+
+
+@pytest.mark.parametrize("field, value", [("top_k", True), ("seed", False), ("max_tokens", True), ("temperature", True),
+                                          ("stream", 1), ("speculate", 0), ("stop_token_ids", [True]),
+                                          ("stream_options", {"include_usage": 1})])
+def test_json_types_are_not_coerced(field, value):
+    """A boolean is not an integer and an integer not a boolean, as the OpenAPI document declares them."""
+    with pytest.raises(APIError) as info:
+        _completion(**{field: value})
+    assert info.value.status == 400 and info.value.param.split(".")[0] == field
