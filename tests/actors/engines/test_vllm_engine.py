@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from tests.vllm_support import require_vllm_or_skip
+from tests.vllm_support import replay_asd_entry, require_vllm_or_skip
 
 require_vllm_or_skip()
 
@@ -26,8 +25,7 @@ from actors.drafting import DrafterSetup  # noqa: E402
 from actors.engines.vllm.unit import EngineStartError, VllmUnit
 from actors.setup import TargetSetup  # noqa: E402
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams  # noqa: E402
-from policies.asd import ASDConfig, RegretLedger, verify_asd_scores  # noqa: E402
-from policies.scores import TargetScores  # noqa: E402
+from policies.asd import ASDConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -133,14 +131,7 @@ def test_asd_verdicts_equal_verify_asd_scores_and_ledgers_are_never_overspent(un
     outputs = {f"a{i}": (len(p), r.token_ids) for i, (p, r) in enumerate(zip(ps, results))}
     checked = 0
     for entry in log:
-        ledgers = [RegretLedger.restored(entry["config"][2], spent, request_id=rid)
-                   for rid, spent in zip(entry["rids"], entry["spent_before"])]
-        scores = TargetScores(argmax_ids=torch.tensor(entry["argmax_ids"]),
-                              argmax_logits=torch.tensor(entry["argmax_logits"], dtype=torch.float32),
-                              draft_logits=torch.tensor(entry["draft_logits"], dtype=torch.float32))
-        replay = verify_asd_scores(torch.tensor(entry["draft_ids"]), scores, ledgers, ASDConfig(*entry["config"]),
-                                   draft_lens=torch.tensor(entry["draft_lens"]))
-        assert replay.tokens.tolist() == entry["tokens"] and replay.num_accepted.tolist() == entry["num_accepted"]
+        replay_asd_entry(entry)
         # the authority's ledger equals the lease before every step (reported at the end of the one before)
         assert entry["mirrored_before"] == entry["spent_before"]
         for j, rid in enumerate(entry["rids"]):

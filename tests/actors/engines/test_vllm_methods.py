@@ -18,9 +18,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.vllm_support import require_vllm_or_skip
+from tests.vllm_support import replay_asd_entry, require_vllm_or_skip
 
 require_vllm_or_skip()
 
@@ -28,8 +27,7 @@ from actors.drafting import DrafterSetup  # noqa: E402
 from actors.engines.vllm.unit import VllmUnit  # noqa: E402
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams  # noqa: E402
 from actors.setup import TargetSetup  # noqa: E402
-from policies.asd import ASDConfig, RegretLedger, verify_asd_scores  # noqa: E402
-from policies.scores import TargetScores  # noqa: E402
+from policies.asd import ASDConfig  # noqa: E402
 from tests.conftest import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -183,14 +181,7 @@ def test_asd_verdicts_replay_and_no_ledger_is_overspent(unit, prompts):
     log = unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0][before:]
     assert log, "no ASD verification ran"
     for entry in log:
-        ledgers = [RegretLedger.restored(entry["config"][2], spent, request_id=rid)
-                   for rid, spent in zip(entry["rids"], entry["spent_before"])]
-        scores = TargetScores(argmax_ids=torch.tensor(entry["argmax_ids"]),
-                              argmax_logits=torch.tensor(entry["argmax_logits"], dtype=torch.float32),
-                              draft_logits=torch.tensor(entry["draft_logits"], dtype=torch.float32))
-        replay = verify_asd_scores(torch.tensor(entry["draft_ids"]), scores, ledgers, ASDConfig(*entry["config"]),
-                                   draft_lens=torch.tensor(entry["draft_lens"]))
-        assert replay.tokens.tolist() == entry["tokens"] and replay.num_accepted.tolist() == entry["num_accepted"]
+        replay_asd_entry(entry)
         assert max(entry["draft_lens"]) <= GAMMA_MAX
     records = [r.record for r in results]
     assert all(r.verification == "asd" and 0.0 <= r.regret_spent <= 3.0 + 1e-9 for r in records)
