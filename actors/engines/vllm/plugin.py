@@ -80,9 +80,7 @@ def register() -> None:
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         from actors.engines.vllm import worker
 
-        if worker.WORKER is not None and worker.WORKER.runner is None:
-            worker.WORKER.runner = self
-        state = worker.state_for(self)
+        state = worker.state_for(self)  # hands the runner to this process's state on the first step
         if state is None or not state.in_vllm:
             return propose(self, scheduler_output, *args, **kwargs)
         step = copy.copy(scheduler_output)  # the scheduler's own object stays as it was

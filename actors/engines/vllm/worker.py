@@ -94,7 +94,7 @@ class WorkerState:
         self._last_score_tokens = 1
         self._gammas: dict[str, int] = {}  # kind vllm: vLLM's internal id -> γ of the step being drafted
         self.draft_len = 0  # kind vllm: the step's draft length (the largest γ)
-        self.verified: dict[int, int] = {}  # draft tokens verified in one row -> rows (vLLM's rejection sampler)
+        self.verified: dict[int, int] = {}  # with record_asd: draft tokens verified in one row -> rows
         # Tests read every ASD verification back (`settings["record_asd"]`): inputs, ledger state and verdict.
         self.asd_log: list[dict[str, Any]] | None = [] if settings.get("record_asd") else None
 
@@ -263,8 +263,9 @@ class WorkerState:
         """
         req_ids = self.runner.input_batch.req_ids
         counts = list(metadata.num_draft_tokens)
-        for k in counts:
-            self.verified[k] = self.verified.get(k, 0) + 1
+        if self.asd_log is not None:  # tests read them back (`record_asd`); a serving step does not count
+            for k in counts:
+                self.verified[k] = self.verified.get(k, 0) + 1
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int) if counts else []
         groups: dict[ASDConfig, list[tuple[int, str, int]]] = {}
         for b, k in enumerate(counts):
@@ -389,7 +390,8 @@ class SpecserveWorkerExtension:
             WORKER.policy.flush(wait=True)
 
     def specserve_verified(self) -> dict[int, int]:
-        """Rows of vLLM's verification steps by the number of draft tokens they verified (0 included)."""
+        """Rows of vLLM's verification steps by the number of draft tokens they verified (0 included); counted
+        only when the unit was started with `record_asd` (tests)."""
         return {} if WORKER is None else dict(WORKER.verified)
 
     def specserve_live(self) -> dict[str, list[str]]:
