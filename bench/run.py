@@ -44,13 +44,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--prompts", type=int, default=None, help="override: prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=None, help="override: max_tokens per request")
     parser.add_argument("--repeats", type=int, default=None, help="override: repeats per measurement")
+    parser.add_argument("--groups", default=None,
+                        help="section vllm: comma-separated server groups (default: all; bench.vllm_peer.GROUPS)")
+    parser.add_argument("--loads", default=None, help="section vllm: comma-separated concurrencies (default 1,8,32)")
     parser.add_argument("--port", type=int, default=8765, help="HTTP port of the benchmark app (127.0.0.1)")
     parser.add_argument("--quality-suite", default=None, help="override: the quality section's eval suite")
     parser.add_argument("--quality-problems", type=int, default=None, help="override: its first N problems")
-    parser.add_argument("--section", choices=("all", "reliability", "vllm", "policy"), default="all",
+    parser.add_argument("--section", choices=("all", "reliability", "vllm", "policy", "breakdown"), default="all",
                         help="reliability: fuzzing, faults under load, long-prefill stall (bench.reliability); "
+                        "breakdown: one request's time per hop on both engines at 1, 8 and 32 streams "
+                        "(bench.breakdown); "
                         "policy: the policy actor's capacity with 1 to 256 simulated units (bench.policy_capacity); "
-                        "vllm: specserve on the vLLM engine vs vLLM's own server (bench.vllm_peer; "
+                        "vllm: specserve (both engines) vs vLLM's own server (bench.vllm_peer; "
                         "CONFIG defaults to configs/local-vllm.yaml)")
     return parser
 
@@ -302,6 +307,10 @@ def run_command(args: argparse.Namespace) -> int:
         return main_section(args, command_line(args))
     if args.section == "vllm":
         from bench.vllm_peer import main_section
+
+        return main_section(args, command_line(args))
+    if args.section == "breakdown":
+        from bench.breakdown import main_section
 
         return main_section(args, command_line(args))
     if args.section == "policy":
