@@ -7,6 +7,7 @@ the unit when the request ends. Neither engine keeps its own copy of these rules
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams
@@ -53,6 +54,12 @@ class RequestBook:
     resumes: int = 0  # times the request was resumed on a rebuilt engine
     ledger: RegretLedger | None = None
     ledger_summary: dict | None = None  # the ledger's summary, where the ledger itself stayed in another process
+    # the hops of `actors.timing` the native loop measures: perf_counter marks, and the rounds' parts summed
+    enqueued_t: float | None = None
+    admitted_t: float | None = None
+    prefilled_t: float | None = None  # the prompt is cached and its first token sampled
+    last_token_t: float | None = None
+    round_s: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])  # plan, draft, score, verify
 
     @property
     def rid(self) -> str:
@@ -102,6 +109,28 @@ class RequestBook:
         for k in range(accepted):
             self.accepted_per_position[k] += 1
 
+    def add_round(self, plan_s: float, draft_s: float, score_s: float, verify_s: float) -> None:
+        """One round this request was a row of, by part (`actors.timing.ROUND_PARTS`)."""
+        parts = self.round_s
+        parts[0] += plan_s
+        parts[1] += draft_s
+        parts[2] += score_s
+        parts[3] += verify_s
+
+    def timing(self, now: float) -> dict[str, float | None]:
+        """The unit's hops (`actors.timing`) when its final message leaves at `now` (perf_counter)."""
+        enqueued = self.enqueued_t if self.enqueued_t is not None else now
+        admitted = self.admitted_t if self.admitted_t is not None else now
+        out: dict[str, float | None] = {"queue": admitted - enqueued}
+        if self.admitted_t is not None:
+            out["prefill"] = (self.prefilled_t if self.prefilled_t is not None else now) - admitted
+        if self.prefilled_t is not None:
+            out.update(zip(("plan", "draft", "score", "verify"), self.round_s))
+            last = self.last_token_t if self.last_token_t is not None else self.prefilled_t
+            out["decode"] = max(0.0, last - self.prefilled_t - sum(self.round_s))
+            out["end"] = now - last
+        return out
+
     def export(self) -> dict:
         """The accounting in plain values (it crosses vLLM's process boundary); `restore` reads it back."""
         return {"rounds": self.rounds, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
@@ -118,8 +147,10 @@ class RequestBook:
                    accepted_per_position=list(exported.get("accepted_per_position", ())),
                    degraded=exported.get("degraded", False), ledger_summary=exported.get("ledger"))
 
-    def record(self, *, unit: str, finish_reason: str, output_tokens: int, finished_s: float) -> RequestRecord:
-        """The finished request's record (the same keys and meanings on both engines)."""
+    def record(self, *, unit: str, finish_reason: str, output_tokens: int, finished_s: float,
+               timing_s: Mapping[str, float | None] | None = None) -> RequestRecord:
+        """The finished request's record (the same keys and meanings on both engines); `timing_s`: the hops the
+        engine measured (`actors.timing`)."""
         req, arm = self.request, self.request.arm
         summary = self.ledger.summary() if self.ledger is not None else self.ledger_summary
         on_asd_arm = arm.verification == "asd"
@@ -134,5 +165,5 @@ class RequestBook:
             regret_budget=arm.asd.budget if arm.asd is not None else None,
             relaxed_tokens=(summary["relaxed_tokens"] if summary else 0) if on_asd_arm else None,
             ledger_exhausted=bool(summary and summary["exhausted"]),
-            accepted_per_position=tuple(self.accepted_per_position),
+            accepted_per_position=tuple(self.accepted_per_position), timing_s=dict(timing_s or {}),
         )

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 
 from actors.contracts import (DraftBatch, DraftRequest, DrafterBackend, Engine, RoundReport, TargetBackend, TargetBatch,
@@ -28,6 +29,7 @@ from actors.requests import (EXACT, ArmSpec, GenerationChunk, GenerationRequest,
                              collect)
 from actors.scheduler import RowOutcome, Scheduler, SequenceState
 from actors.stats import LoopObserver, NullObserver, RoundRecord, RowRecord
+from actors.timing import END_DEFERRED
 from actors.verification import asd_batches, asd_outcomes, exact_outcomes, relaxed_sampled
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class Coordinator:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle_sync: asyncio.Future | None = None
+        self._ending: set[asyncio.Event] = set()  # requests answered whose caches are still being freed
 
     @classmethod
     def local(cls, engine: Engine, drafter, policy, **kwargs) -> Coordinator:
@@ -74,6 +77,7 @@ class Coordinator:
     # --- public API --------------------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         seq = self.scheduler.enqueue(request)
+        seq.book.enqueued_t = time.perf_counter()
         self._ensure_loop()
         finished = False
         try:
@@ -135,6 +139,8 @@ class Coordinator:
     async def stats(self) -> dict:
         """What the unit holds: active requests, sequences cached by its target and drafter, open ledgers."""
         drafter = getattr(self.drafter, "handle", None)  # a model drafter's actor
+        for ending in list(self._ending):  # answered requests: their caches are freed after the answer
+            await ending.wait()
         return {
             "unit": self.unit,
             "active_requests": self.active_requests(),
@@ -200,6 +206,7 @@ class Coordinator:
         """Admit, and plan this step's prompt chunks (`actors.prefill`). While streams decode, the chunks are
         returned to ride in the round's forward; otherwise they are fed here."""
         for seq in self.scheduler.admit():
+            seq.book.admitted_t = time.perf_counter()
             seq.book.ledger = self.policy.open_request(seq.rid, seq.request.arm.name, seq.book.budget)
         chunks = self.scheduler.prefill_chunks()
         if not chunks or self.scheduler.active:
@@ -215,10 +222,10 @@ class Coordinator:
             return
         keys = [s.key() for s in new]
         self.scheduler.set_plan(keys, self.policy.plan(keys, len(self.scheduler.active)))
-        now = self.clock()
+        now, now_t = self.clock(), time.perf_counter()
         for b, seq in ((b, c.seq) for b, c in enumerate(chunks) if c.last and not c.seq.output):
             token = result.sampled_tokens[b][0] if b in result.sampled_tokens else int(result.scores.argmax_ids[b, 0])
-            seq.book.first_token_s = now
+            seq.book.first_token_s, seq.book.prefilled_t = now, now_t
             await self._commit(seq, RowOutcome([token], accepted=0), drafted=0, is_round=False)
 
     async def _round(self, chunks: list[PrefillChunk]) -> None:
@@ -226,7 +233,9 @@ class Coordinator:
         rows = list(self.scheduler.active)
         free = self.drafter is not None and self.drafter.free_drafts
         gammas = self.scheduler.gammas(rows, can_draft=self.drafter is not None, free_drafts=free)
+        t_draft = time.perf_counter()
         draft, draft_s = await self._draft(rows, gammas)  # 2. draft
+        t_batch = time.perf_counter()
         lens = draft.draft_lens.tolist()
         batch = TargetBatch(
             seq_ids=[s.rid for s in rows], crops=[s.crop for s in rows],
@@ -254,10 +263,18 @@ class Coordinator:
         for members, asd in asd_batches(rows, batch, result):  # 4. ASD rows, against the unit's ledger leases
             for b, outcome in zip(members, asd_outcomes(self.policy.verify_asd(asd))):
                 outcomes[b] = outcome
+        t_plan = time.perf_counter()
         keys = [s.key() for s in rows]
         self.scheduler.set_plan(keys, self.policy.plan(keys, len(rows)))
+        t_flush = time.perf_counter()
         self.policy.flush()
-        verify_s = time.perf_counter() - t_verify
+        t_end = time.perf_counter()
+        verify_s = t_end - t_verify
+        # each row waited for the whole round: its parts count for every row (the batch's build is score's)
+        parts = ((t_draft - t0) + (t_flush - t_plan), t_batch - t_draft, t_verify - t_batch,
+                 (t_plan - t_verify) + (t_end - t_flush))
+        for seq in rows:
+            seq.book.add_round(*parts)
         records = tuple(RowRecord(s.rid, s.request.arm.name, lens[b], o.accepted, o.relaxed, o.regret)
                         for b, (s, o) in enumerate(zip(rows, outcomes)))
         # the round is reported before its requests finish, so a request's last round precedes its record
@@ -310,19 +327,28 @@ class Coordinator:
         out, reason = seq.commit(outcome, drafted=drafted, eos=self.eos, max_seq_len=self.max_seq_len,
                                  is_round=is_round)
         if out:
+            seq.book.last_token_t = time.perf_counter()
             seq.queue.put_nowait(GenerationChunk(out))
         if reason is not None:
             await self._finish(seq, reason)
 
     async def _finish(self, seq: SequenceState, reason: str, *, release: bool = True, error: str | None = None) -> None:
+        """End a request: its final message first, then (off the critical path) free its caches and report its
+        record; `seq.done` is set once all of it is done (`abort` and `stats` wait for that)."""
         self.scheduler.remove(seq)
         self.policy.close_request(seq.rid)
-        if release:
-            await self._release(seq.rid)
         record = seq.record(self.unit, reason, self.clock())
-        self.observer.on_request(record)
         seq.queue.put_nowait(GenerationChunk([], finish_reason=reason, record=record, error=error))
-        seq.done.set()
+        self._ending.add(seq.done)
+        deferred = time.perf_counter()
+        try:
+            if release:
+                await self._release(seq.rid)
+            self.observer.on_request(
+                replace(record, timing_s={**record.timing_s, END_DEFERRED: time.perf_counter() - deferred}))
+        finally:
+            seq.done.set()
+            self._ending.discard(seq.done)
 
     async def _release(self, seq_id: str) -> None:
         try:

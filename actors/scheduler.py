@@ -8,6 +8,7 @@ aborts asked for since the last round, and the γ plan (the policy's γ per requ
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from actors.bookkeeping import RequestBook
@@ -89,7 +90,7 @@ class SequenceState:
 
     def record(self, unit: str, reason: str, finished_s: float) -> RequestRecord:
         return self.book.record(unit=unit, finish_reason=reason, output_tokens=len(self.output),
-                                finished_s=finished_s)
+                                finished_s=finished_s, timing_s=self.book.timing(time.perf_counter()))
 
 
 class Scheduler:

@@ -6,8 +6,11 @@ cluster.telemetry implements the observer. Times are seconds from the injected c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from actors.timing import END_DEFERRED
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class RequestRecord:
     arm_verification: str = ""  # "exact" | "asd": the arm's own; "" means the same as `verification`
     asd_fallback: str | None = None  # "sampled": why an ASD arm verified this request exactly
     sampled: bool = False  # temperature > 0
+    timing_s: Mapping[str, float | None] = field(default_factory=dict)  # hops measured so far (actors.timing)
 
     def __post_init__(self):
         if not self.arm_verification:
@@ -93,6 +97,7 @@ class RequestRecord:
             "gamma_max": max(gammas),
             "degraded": self.degraded,
             "verification": self.verification,
+            "timing_s": {k: v for k, v in self.timing_s.items() if k != END_DEFERRED},
         }
         if self.asd_fallback is not None:
             out["asd_fallback"] = self.asd_fallback

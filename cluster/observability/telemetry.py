@@ -110,7 +110,8 @@ def request_row(record: RequestRecord) -> dict[str, Any]:
 
     latency_s = finished - started; ttft_s = first token - started (None without tokens);
     tpot_s = (finished - first token) / (output_tokens - 1) (None below 2 tokens);
-    tokens_per_s = output_tokens / latency_s (None when latency is 0).
+    tokens_per_s = output_tokens / latency_s (None when latency is 0); timing_s = the request's seconds per hop
+    (`actors.timing`), with `end_deferred`, the end's work after its answer.
     """
     latency = record.finished_s - record.started_s
     ttft = record.first_token_s - record.started_s if record.first_token_s is not None else None
@@ -144,6 +145,7 @@ def request_row(record: RequestRecord) -> dict[str, Any]:
         "relaxed_tokens": record.relaxed_tokens,
         "ledger_exhausted": record.ledger_exhausted,
         "finished_s": record.finished_s,
+        "timing_s": dict(record.timing_s),
     }
 
 

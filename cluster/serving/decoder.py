@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ class DecodeJob:
 @dataclass(frozen=True)
 class UnitStarted:
     unit: str
+    started_s: float = 0.0  # the unit's wall clock when it took the request (the ingress's `ingress_to_unit`)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Finished:
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     token_ids: tuple[int, ...]  # every output token (for usage and the quality audit)
     text: str  # the final text delta (held-back text released at the end)
-    speculative: dict[str, Any] | None  # RequestRecord.speculative_usage()
+    speculative: dict[str, Any] | None  # RequestRecord.speculative_usage(), its `timing_s` the unit's hops
     regret_spent: float | None
     unit: str
     error: str | None = None
@@ -120,8 +122,11 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
 
     `decode(ids) -> str` is the tokenizer's decode. On a stop string the sequence is aborted (KV caches and
     ledger freed) and reported as finish reason "stop". If the consumer goes away (cancellation), closing the
-    coordinator's stream frees the sequence.
+    coordinator's stream frees the sequence. `usage.speculative.timing_s` gets the unit's hops (`actors.timing`):
+    the engine's, `first_token`, and the detokenization (`detokenize_sse`).
     """
+    started = time.perf_counter()
+    detokenize_s, first_t = 0.0, None
     assembler = TextAssembler(decode, list(job.prompt_ids), job.stop)
     held: list[str] = []  # a non-streaming job's text, sent once with `Finished`
     request = GenerationRequest(job.request_id, list(job.prompt_ids), job.params, job.arm, speculate=job.speculate)
@@ -131,8 +136,11 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
     try:
         async for chunk in stream:
             if chunk.token_ids and not assembler.stopped:
+                t = time.perf_counter()
+                first_t = first_t or t
                 tokens.extend(chunk.token_ids)
                 text = assembler.push(list(chunk.token_ids))
+                detokenize_s += time.perf_counter() - t
                 if job.stream:
                     yield TextDelta(text, tuple(chunk.token_ids))
                 else:
@@ -148,11 +156,20 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
         await stream.aclose()  # a no-op after the final chunk; otherwise the coordinator aborts the sequence
     reason = "stop" if assembler.stopped else (last.finish_reason if last is not None else "abort")
     record = last.record if last is not None else None
+    t = time.perf_counter()
+    text = "".join(held) + ("" if assembler.stopped else assembler.flush())
+    speculative = None
+    if record is not None:
+        speculative = record.speculative_usage()
+        timing = speculative["timing_s"]
+        timing["detokenize_sse"] = detokenize_s + time.perf_counter() - t
+        if first_t is not None:
+            timing["first_token"] = first_t - started - (timing.get("queue") or 0.0) - (timing.get("prefill") or 0.0)
     yield Finished(
         finish_reason=reason,
         token_ids=tuple(tokens),
-        text="".join(held) + ("" if assembler.stopped else assembler.flush()),
-        speculative=record.speculative_usage() if record is not None else None,
+        text=text,
+        speculative=speculative,
         regret_spent=record.regret_spent if record is not None else None,
         unit=unit,
         error=last.error if last is not None else None,
@@ -205,7 +222,7 @@ class DecoderUnit:
 
     async def generate(self, job: DecodeJob) -> AsyncIterator[UnitStarted | TextDelta | Finished]:
         """Serve streaming method: `UnitStarted`, then `TextDelta`s, then one `Finished`."""
-        yield UnitStarted(self.unit)
+        yield UnitStarted(self.unit, time.time())
         async for event in decode_events(self.coordinator, job, self._decode, self.unit):
             yield event
 

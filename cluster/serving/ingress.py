@@ -6,7 +6,8 @@ a decoder unit through a Serve handle; answers are OpenAI bodies, or SSE chunks 
 Client mistakes get a 4xx with OpenAI's error body, a full queue or a failed unit a 503 with Retry-After
 (`cluster.serving.failures`), a request past `serving.request_timeout_s` a 408; a client that disconnects aborts
 its sequence in the unit. Greedy ASD requests the `AuditSampler` draws are replayed on the exact reference arm in
-the background. Every status: docs/reliability.md; the request path: docs/architecture.md.
+the background, submitted once the last byte is sent (or the client is gone). `usage.speculative.timing_s` gets
+the ingress's hops (`actors.timing`): `tokenize`, `ingress_to_unit` and the OpenAI encoding. Every status: docs/reliability.md; the request path: docs/architecture.md.
 """
 
 
@@ -26,6 +27,7 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.requests import SamplingParams
+from actors.timing import add, hops
 from cluster.config import parse_config
 from cluster.serving import openapi
 from cluster.serving.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError
@@ -90,6 +92,31 @@ def _sse(body: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+class AfterJSONResponse(JSONResponse):
+    """A `JSONResponse` that calls `after()` once its body is sent, or the sending failed (client gone)."""
+
+    def __init__(self, content: Any, after, **kwargs):
+        super().__init__(content, **kwargs)
+        self.after = after
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.after()
+
+
+def _usage(job: DecodeJob, finished: Finished, ingress: dict[str, float]) -> dict[str, Any]:
+    """`usage`, its `speculative.timing_s` completed with the ingress's hops (`actors.timing.hops`)."""
+    speculative = finished.speculative
+    if speculative is not None:
+        timing = speculative.get("timing_s") or {}
+        timing = add({**timing, "tokenize": ingress["tokenize"], "ingress_to_unit": ingress["ingress_to_unit"]},
+                     "detokenize_sse", ingress["sse"])
+        speculative = {**speculative, "timing_s": hops(timing)}
+    return usage_body(len(job.prompt_ids), len(finished.token_ids), speculative)
+
+
 def _openai_reason(finished: Finished) -> str:
     """OpenAI knows "stop" and "length"; an aborted sequence (unit shutting down) reads as "stop"."""
     return "length" if finished.finish_reason == "length" else "stop"
@@ -148,12 +175,16 @@ class OpenAIIngress:
     @app.post("/v1/completions", response_model=openapi.Completion, responses=openapi.GENERATE)
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        return await self._serve(body, self._completion_prompt(body), request, chat=False)
+        start = time.perf_counter()
+        prompt = self._completion_prompt(body)
+        return await self._serve(body, prompt, request, chat=False, tokenize_s=time.perf_counter() - start)
 
     @app.post("/v1/chat/completions", response_model=openapi.ChatCompletion, responses=openapi.GENERATE)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        return await self._serve(body, self._chat_prompt(body), request, chat=True)
+        start = time.perf_counter()
+        prompt = self._chat_prompt(body)
+        return await self._serve(body, prompt, request, chat=True, tokenize_s=time.perf_counter() - start)
 
     # --- request handling --------------------------------------------------------------------------------
     def hub(self):
@@ -212,13 +243,15 @@ class OpenAIIngress:
                         stream=bool(body.stream))
         return job, arm
 
-    async def _serve(self, body, prompt_ids: list[int], request: Request, *, chat: bool) -> Response:
+    async def _serve(self, body, prompt_ids: list[int], request: Request, *, chat: bool,
+                     tokenize_s: float) -> Response:
         deadline = Deadline(self.timeout_s)
         job, arm = self._job(body, prompt_ids, request)
-        events = await self._start(job, deadline)
+        events, to_unit = await self._start(job, deadline)
+        timing = {"tokenize": tokenize_s, "ingress_to_unit": to_unit, "sse": 0.0}
         headers = {ARM_RESPONSE_HEADER: arm.name}
         if body.stream:
-            stream = self._stream(job, events, body, deadline, chat=chat)
+            stream = self._stream(job, events, body, deadline, timing, chat=chat)
             return ClosingStreamingResponse(stream, media_type="text/event-stream", headers=headers)
         text, finished = [], None
         try:
@@ -236,16 +269,19 @@ class OpenAIIngress:
             events.cancel()  # a no-op once finished; frees the sequence if this handler is cancelled or late
         if finished is None or finished.finish_reason == "error":
             raise unit_failed(finished.error if finished else "the unit ended the stream")
+        start = time.perf_counter()
         text.append(finished.text)
-        self._maybe_audit(job, finished)
-        usage = usage_body(len(job.prompt_ids), len(finished.token_ids), finished.speculative)
-        result = completion_body(job.request_id, body.model, "".join(text), _openai_reason(finished), usage,
-                                 chat=chat, created=int(time.time()))
-        return JSONResponse(result, headers=headers)
+        text = "".join(text)
+        timing["sse"] = time.perf_counter() - start  # the body's own JSON encoding follows its usage: not in it
+        result = completion_body(job.request_id, body.model, text, _openai_reason(finished),
+                                 _usage(job, finished, timing), chat=chat, created=int(time.time()))
+        return AfterJSONResponse(result, lambda: self._maybe_audit(job, finished), headers=headers)
 
     async def _start(self, job: DecodeJob, deadline: Deadline):
-        """Send the job to a unit and wait until one accepted it; 503 + Retry-After when every queue is full
-        or the unit went away, 408 when none accepted it in time."""
+        """Send the job to a unit and wait until one accepted it: (the unit's events, seconds from the call to
+        the unit taking the job). 503 + Retry-After when every queue is full or the unit went away, 408 when
+        none accepted it in time."""
+        sent = time.time()
         events = self.decoder.generate.remote(job)
         try:
             first = await deadline.next(events)
@@ -263,18 +299,26 @@ class OpenAIIngress:
             ) from None
         if not isinstance(first, UnitStarted):
             raise RuntimeError(f"unit protocol: expected UnitStarted, got {type(first).__name__}")
-        return events
+        return events, first.started_s - sent
 
-    async def _stream(self, job: DecodeJob, events, body, deadline: Deadline, *, chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, job: DecodeJob, events, body, deadline: Deadline, timing: dict[str, float], *,
+                      chat: bool) -> AsyncIterator[str]:
         created = int(time.time())
         model = body.model
         finished = None
+
+        def chunk(**fields) -> str:  # one SSE event, its encoding counted in `detokenize_sse`
+            start = time.perf_counter()
+            event = _sse(chunk_body(job.request_id, model, created, chat=chat, **fields))
+            timing["sse"] += time.perf_counter() - start
+            return event
+
         try:
             if chat:
-                yield _sse(chunk_body(job.request_id, model, created, chat=True, role=True))
+                yield chunk(role=True)
             async for event in deadline.timed(events):
                 if isinstance(event, TextDelta) and event.text:
-                    yield _sse(chunk_body(job.request_id, model, created, chat=chat, text=event.text))
+                    yield chunk(text=event.text)
                 elif isinstance(event, Finished):
                     finished = event
             if finished is None or finished.finish_reason == "error":
@@ -282,13 +326,10 @@ class OpenAIIngress:
                 yield _sse(error_body(f"generation failed: {message}", type="server_error", code="unit_failed"))
             else:
                 if finished.text:
-                    yield _sse(chunk_body(job.request_id, model, created, chat=chat, text=finished.text))
-                yield _sse(chunk_body(job.request_id, model, created, chat=chat,
-                                      finish_reason=_openai_reason(finished)))
+                    yield chunk(text=finished.text)
+                yield chunk(finish_reason=_openai_reason(finished))
                 if body.include_usage:
-                    usage = usage_body(len(job.prompt_ids), len(finished.token_ids), finished.speculative)
-                    yield _sse(chunk_body(job.request_id, model, created, chat=chat, usage=usage, no_choices=True))
-                self._maybe_audit(job, finished)
+                    yield chunk(usage=_usage(job, finished, timing), no_choices=True)
             yield SSE_DONE
         except asyncio.TimeoutError:
             yield _sse(deadline.error().body())
@@ -303,6 +344,8 @@ class OpenAIIngress:
             yield SSE_DONE
         finally:
             events.cancel()  # client gone (or done): the unit aborts the sequence and frees its caches
+            if finished is not None and finished.finish_reason != "error":
+                self._maybe_audit(job, finished)  # after the last byte, or once the client is gone
 
     # --- quality audit -----------------------------------------------------------------------------------
     def _maybe_audit(self, job: DecodeJob, finished: Finished) -> None:

@@ -40,7 +40,10 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    speculative: dict[str, Any] | None = Field(None, description="arm, rounds, acceptance, γ, regret (ASD)")
+    speculative: dict[str, Any] | None = Field(
+        None, description="arm, rounds, acceptance, γ, regret (ASD), and timing_s: seconds per hop of the request "
+        "(tokenize, ingress_to_unit, queue, prefill, first_token, plan, draft, score, verify, decode, detokenize_sse, "
+        "end; null where the engine does not expose a hop)")
 
 
 class CompletionChoice(BaseModel):

@@ -1,6 +1,7 @@
 """The speculative loop in-process: greedy identity, ASD, seeded sampling, distribution, cleanup."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -230,3 +231,65 @@ def test_a_unit_serves_again_on_a_new_event_loop(tiny):
     asd = ArmSpec("asd0", "asd", ASDConfig(g=5.0, max_relaxed_per_block=3, budget=0.0))
     again = coord.generate_many_sync([greedy(f"b{i}", p, arm=asd) for i, p in enumerate(PROMPTS)])
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
+
+
+class _SlowRelease:
+    """A target whose release takes a while (an actor call): the final message must not wait for it."""
+
+    def __init__(self, target, seconds=0.05):
+        self.inner, self.seconds, self.released_at = target, seconds, {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def release(self, seq_ids):
+        await asyncio.sleep(self.seconds)
+        await self.inner.release(seq_ids)
+        self.released_at.update((rid, time.perf_counter()) for rid in seq_ids)
+
+
+class _Records:
+    def __init__(self):
+        self.requests = []
+
+    def on_round(self, record):
+        pass
+
+    def on_request(self, record):
+        self.requests.append(record)
+
+
+def test_timing_hops_partition_the_request_and_its_end_follows_the_answer(tiny):
+    """`usage.speculative.timing_s` from the unit: non-negative hops within the request's time; the final
+    message leaves before the caches are freed, `stats` waits for that, and the record keeps `end_deferred`."""
+    from actors.requests import collect
+    from actors.timing import END_DEFERRED, ROUND_PARTS
+
+    observer = _Records()
+    coord = unit(tiny[0], NgramDrafter(1, 3), observer=observer)
+    coord.target = _SlowRelease(coord.target)
+
+    async def run():
+        async def one(i, prompt):
+            start = time.perf_counter()
+            result = await collect(coord.generate(greedy(f"t{i}", prompt, n=12)))
+            return result, start, time.perf_counter()
+
+        try:
+            results = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS[:3])))
+            stats = await coord.stats()
+        finally:
+            await coord.stop()
+        return results, stats
+
+    results, stats = asyncio.run(run())
+    assert stats["target_sequences"] == [] and stats["active_requests"] == []
+    for result, start, answered in results:
+        timing = result.record.speculative_usage()["timing_s"]
+        assert set(timing) == {"queue", "prefill", *ROUND_PARTS, "decode", "end"}
+        assert all(v >= 0 for v in timing.values()), timing
+        assert sum(timing.values()) <= answered - start
+        assert result.record.rounds > 0 and timing["score"] > 0 and timing["prefill"] > 0
+        assert answered < coord.target.released_at[result.record.request_id]  # answered before the release
+    deferred = {r.request_id: r.timing_s[END_DEFERRED] for r in observer.requests}
+    assert sorted(deferred) == ["t0", "t1", "t2"] and min(deferred.values()) >= 0.05

@@ -10,6 +10,8 @@ same environment behave as before. How and why: docs/architecture.md, "The vLLM 
 
 from __future__ import annotations
 
+import re
+
 PARENT_DEATH_ENV = "SPECSERVE_VLLM_PARENT_DEATH"  # set for the processes vLLM spawns: they end with their parent
 VLLM_RANGE = (0, 32), (0, 33)  # [lowest, first unsupported): the hooks read vLLM 0.32 internals
 INSTALL_HINT = ("install the extra that matches this machine: pip install 'specserve[vllm]' (CUDA) or "
@@ -29,3 +31,20 @@ def require_vllm() -> str:
         raise ImportError(f"vLLM {version} is installed, specserve's vLLM engine needs >= 0.32, < 0.33; "
                           f"{INSTALL_HINT}")
     return version
+
+
+def logged_cause(log_text: str) -> str:
+    """The exception lines ("ValueError: ...") of vLLM's logged errors, else its last error line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
+    return " | ".join(dict.fromkeys(raised)) or (lines[-1] if lines else "")
+
+
+def error_chain(err: BaseException) -> str:
+    """vLLM's error with its causes (the engine core's own failure is often the cause of a generic one)."""
+    parts, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        parts.append(f"{type(err).__name__}: {err}")
+        err = err.__cause__ or err.__context__
+    return " <- ".join(parts)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
@@ -22,51 +21,22 @@ from typing import TYPE_CHECKING, Any
 
 from actors.bookkeeping import RequestBook
 from actors.drafting import DrafterSetup
+from actors.engines.vllm.args import engine_args
 from actors.requests import GenerationChunk, GenerationRequest, GenerationResult, collect
 from actors.stats import LoopObserver, NullObserver, RequestRecord
+from actors.timing import END_DEFERRED, ROUND_PARTS
 
 if TYPE_CHECKING:
     from actors.setup import TargetSetup
 
 log = logging.getLogger(__name__)
 
-PROPOSER = "actors.engines.vllm.worker.SpecserveProposer"
-EXTENSION = "actors.engines.vllm.worker.SpecserveWorkerExtension"
 RECORD_TIMEOUT_S = 10.0  # reading a finished request's record from the worker
 MAX_RESUMES = 2  # engine deaths a request is resumed after, before it ends with an error
 
 
 class EngineStartError(RuntimeError):
     """vLLM's engine did not start; the message carries vLLM's own error."""
-
-
-def engine_args(setup: TargetSetup, drafter: DrafterSetup, policy: dict[str, Any], *, model_dir: str,
-                max_seq_len: int, record_asd: bool = False, drafter_actor: dict | None = None,
-                unit: str = "vllm", policy_actor: dict | None = None) -> dict[str, Any]:
-    """vLLM `AsyncEngineArgs` keywords: specserve's proposer when it drafts (or vLLM's own, drafter kind 'vllm'),
-    its settings in `additional_config`, the worker extension; `engine_kwargs` last (kept off specserve's own)."""
-    args: dict[str, Any] = dict(
-        model=model_dir, tokenizer=model_dir, dtype=setup.dtype, tensor_parallel_size=setup.tp_size,
-        max_model_len=max_seq_len, max_num_seqs=setup.max_slots, seed=0,
-        # mp: the workers are the replica's subprocesses on its own devices; engine_kwargs may choose "ray", vLLM's
-        # Ray executor, with the workers Ray actors in the unit's placement group (actors.remote.vllm_ray)
-        worker_extension_cls=EXTENSION, distributed_executor_backend="mp",
-        additional_config={"specserve": {
-            "unit": unit, "policy": policy, "policy_actor": policy_actor, "record_asd": record_asd,
-            "drafter_actor": drafter_actor, "vllm_proposer": drafter.in_target_engine,
-            "drafter": {"kind": drafter.kind, "prompt_lookup_min": drafter.prompt_lookup_min,
-                        "prompt_lookup_max": drafter.prompt_lookup_max, "suffix_max_depth": drafter.suffix_max_depth,
-                        "suffix_min_confidence": drafter.suffix_min_confidence,
-                        "suffix_cache_tokens": drafter.suffix_cache_tokens},
-        }},
-    )
-    if drafter.in_target_engine:  # each row's drafts are cut to its γ where the synchronous scheduler takes them
-        args.update(speculative_config=drafter.speculative_config(policy["gamma_max"]), async_scheduling=False)
-    elif drafter.kind != "none":
-        args["speculative_config"] = {"method": "custom_class", "model": PROPOSER,
-                                      "num_speculative_tokens": max(1, policy["gamma_max"])}
-    args.update(setup.engine_kwargs)
-    return args
 
 
 class VllmUnit:
@@ -106,6 +76,7 @@ class VllmUnit:
         self._loop: asyncio.AbstractEventLoop | None = None  # the private loop of the *_sync helpers
         self._closed = False
         self._placement = None  # a placement group the unit made for vLLM's Ray workers (removed on close)
+        self._ending: set[asyncio.Future] = set()  # answered requests' end work still running (records, flush)
 
     # --- engine lifecycle --------------------------------------------------------------------------------
     def start(self) -> VllmUnit:
@@ -114,7 +85,7 @@ class VllmUnit:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from actors.engines.vllm import PARENT_DEATH_ENV
+        from actors.engines.vllm import PARENT_DEATH_ENV, error_chain, logged_cause
         from actors.engines.vllm.plugin import ERRORS_ENV
 
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's workers must not fork Ray or torch
@@ -139,7 +110,7 @@ class VllmUnit:
                 if self.generation == 0:  # a unit that never started keeps nothing (a rebuild keeps its drafter)
                     self._kill_drafter()
                 raise EngineStartError(f"vLLM engine for {self.setup.source!r} failed to start: "
-                                       f"{_cause(errors.read()) or _root(err)}") from err
+                                       f"{logged_cause(errors.read()) or error_chain(err)}") from err
             finally:
                 os.environ.pop(ERRORS_ENV, None)
                 for key, value in saved.items():
@@ -231,6 +202,8 @@ class VllmUnit:
 
     async def stats(self) -> dict[str, Any]:
         """What the unit holds: active requests, the worker's live books, ledgers and drafter state, vLLM's KV."""
+        if self._ending:  # answered requests: their end work runs after the answer
+            await asyncio.gather(*list(self._ending), return_exceptions=True)
         worker, kv = await self.worker_state(), await self.kv_stats()
         return {"unit": self.unit, "active_requests": self.active_requests(), "target_sequences": worker["requests"],
                 "drafter_sequences": worker["drafter"], "open_ledgers": worker["ledgers"], "kv": kv}
@@ -250,6 +223,8 @@ class VllmUnit:
             raise ValueError(f"request_id {rid!r} is already running on unit {self.unit}")
         self._inflight.add(rid)
         started, first = time.time(), None
+        # actors.timing: queue, prefill and the rounds' parts run inside vLLM's engine and are not split out
+        enqueued_t, first_t, last_t, end_t = time.perf_counter(), None, None, None
         tokens: list[int] = []
         reason, error, final, worker = "abort", None, [], {}
         attempt, resumes = request, 0
@@ -261,8 +236,10 @@ class VllmUnit:
                 try:
                     async for out in stream:
                         new = list(out.outputs[0].token_ids)
-                        if new and first is None:
-                            first = time.time()
+                        if new:
+                            last_t = time.perf_counter()
+                            if first is None:
+                                first, first_t = time.time(), last_t
                         tokens.extend(new)
                         if out.finished:
                             reason = out.outputs[0].finish_reason or "abort"
@@ -270,6 +247,10 @@ class VllmUnit:
                             if reason == "stop" and final and final[-1] in self._stops(request):
                                 final.pop()  # vLLM keeps the stop token; specserve's outputs end before it
                                 tokens.pop()
+                            if final:  # the last tokens leave before the request's end work
+                                yield GenerationChunk(final)
+                                final = []
+                            end_t = time.perf_counter()
                             break
                         if new:
                             yield GenerationChunk(new)
@@ -292,11 +273,30 @@ class VllmUnit:
                 attempt = _resumed(request, tokens, left)
         finally:
             self._inflight.discard(rid)
-        record = self._record(request, worker, tokens, started, first, reason)
+        now, last = time.perf_counter(), last_t or enqueued_t
+        timing = {**dict.fromkeys(("queue", "prefill", *ROUND_PARTS)), "end": now - (end_t or last),
+                  "decode": last - first_t if first_t is not None else None}
+        record = self._record(request, worker, tokens, started, first, reason, timing)
         if record.degraded:
             await self._recover_drafter()
-        self.observer.on_request(record)
+        self._after(record, now)
         yield GenerationChunk(final, finish_reason=reason, record=record, error=error)
+
+    def _after(self, record: RequestRecord, since: float) -> None:
+        """After the final message, the end work no client waits for: going idle, the worker's observations reach
+        the authority; then the record goes to the observer (with its `end_deferred`)."""
+        async def after(engine):
+            if engine is not None:
+                try:
+                    await asyncio.wait_for(engine.collective_rpc("specserve_flush"), RECORD_TIMEOUT_S)
+                except Exception as err:  # noqa: BLE001 - the next flush carries it
+                    log.warning("unit %s: flush after %s: %s", self.unit, record.request_id, err)
+            self.observer.on_request(replace(record, timing_s={**record.timing_s,
+                                                               END_DEFERRED: time.perf_counter() - since}))
+
+        task = asyncio.ensure_future(after(None if self._inflight else self.engine))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
 
     async def _end(self, engine, stream, rid: str, *, take: bool) -> dict[str, Any]:
         """Close vLLM's stream (a no-op after its end; before it, vLLM aborts the request and frees its KV
@@ -311,8 +311,6 @@ class VllmUnit:
         """The worker's record of a finished request (and the worker forgets it); {} if it cannot be read."""
         try:
             taken = await asyncio.wait_for(engine.collective_rpc("specserve_take", args=([rid],)), RECORD_TIMEOUT_S)
-            if not self._inflight:  # going idle: the worker's last observations and closes reach the authority
-                await asyncio.wait_for(engine.collective_rpc("specserve_flush"), RECORD_TIMEOUT_S)
             return taken[0].get(rid, {})
         except Exception as err:  # noqa: BLE001 - the request is over either way
             log.warning("unit %s: no record for %s (%s)", self.unit, rid, err)
@@ -338,9 +336,10 @@ class VllmUnit:
         )
 
     def _record(self, request: GenerationRequest, worker: dict[str, Any], tokens: list[int], started: float,
-                first: float | None, reason: str) -> RequestRecord:
+                first: float | None, reason: str, timing: dict[str, float | None]) -> RequestRecord:
         book = RequestBook.restore(request, worker, started_s=started, first_token_s=first)
-        return book.record(unit=self.unit, finish_reason=reason, output_tokens=len(tokens), finished_s=time.time())
+        return book.record(unit=self.unit, finish_reason=reason, output_tokens=len(tokens), finished_s=time.time(),
+                           timing_s=timing)
 
     # --- synchronous helpers (CLI, benchmarks, tests) --------------------------------------------------------
     def run_sync(self, coro):
@@ -381,19 +380,3 @@ def _resumed(request: GenerationRequest, emitted: list[int], left: int) -> Gener
     return replace(request, prompt_ids=[*request.prompt_ids, *emitted], params=replace(request.params, max_tokens=left),
                    arm=arm)
 
-
-def _cause(log_text: str) -> str:
-    """The exception lines ("ValueError: ...") of vLLM's logged errors, else its last error line."""
-    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
-    raised = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception): ", line)]
-    return " | ".join(dict.fromkeys(raised)) or (lines[-1] if lines else "")
-
-
-def _root(err: BaseException) -> str:
-    """vLLM's error with its causes (the engine core's own failure is often the cause of a generic one)."""
-    parts, seen = [], set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        parts.append(f"{type(err).__name__}: {err}")
-        err = err.__cause__ or err.__context__
-    return " <- ".join(parts)

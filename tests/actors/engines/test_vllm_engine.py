@@ -362,6 +362,7 @@ def test_usage_speculative_has_the_same_keys_and_meanings_on_both_engines(unit, 
     on_native = [r.record.speculative_usage() for r in native.generate_many_sync(cases)]
     for v, n in zip(on_vllm, on_native):
         assert set(v) == set(n), (v, n)
+        assert set(v["timing_s"]) == set(n["timing_s"]), (v["timing_s"], n["timing_s"])  # actors.timing
         for key in ("arm", "verification", "regret_budget", "asd_fallback"):
             assert v.get(key) == n.get(key), key
     assert on_vllm[2]["asd_fallback"] == "sampled" and on_vllm[3]["draft_tokens"] == on_native[3]["draft_tokens"] == 0

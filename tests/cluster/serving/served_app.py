@@ -39,3 +39,19 @@ def decoder_stats(app_name: str) -> dict:
     from cluster.serving.app import DECODER_DEPLOYMENT
 
     return serve.get_deployment_handle(DECODER_DEPLOYMENT, app_name=app_name).stats.remote().result()
+
+
+def assert_timing(spec: dict, wall_s: float, *, engine: str) -> None:
+    """`usage.speculative.timing_s` (actors.timing): every hop, non-negative, within the client's wall time;
+    on vLLM the hops its engine keeps inside (queue, prefill, the rounds' parts) are None."""
+    from actors.timing import HOPS, ROUND_PARTS
+
+    timing = spec["timing_s"]
+    assert list(timing) == list(HOPS), timing
+    unmeasured = {"queue", "prefill", *ROUND_PARTS} if engine == "vllm" else set()
+    assert {hop for hop, v in timing.items() if v is None} == unmeasured, timing
+    assert all(v >= 0 for v in timing.values() if v is not None), timing
+    assert sum(v for v in timing.values() if v is not None) <= wall_s, (timing, wall_s)
+    assert timing["first_token"] is not None and timing["decode"] is not None
+    if engine == "native":
+        assert timing["prefill"] > 0 and timing["score"] > 0

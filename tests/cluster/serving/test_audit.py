@@ -1,6 +1,7 @@
 """Quality audit: token comparison, sampling, background runner, summaries."""
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -129,3 +130,90 @@ def test_rank_correlation_edge_cases():
     assert rank_correlation([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     with pytest.raises(ValueError, match="lengths"):
         rank_correlation([1, 2, 3], [1, 2])
+
+
+# --- the audit runs after the last byte (issue 23), and is not lost when the client leaves -----------------------
+def _ingress_parts():
+    from types import SimpleNamespace
+
+    from actors.requests import EXACT, SamplingParams
+    from cluster.serving.decoder import DecodeJob, Finished, TextDelta
+    from cluster.serving.failures import Deadline
+    from cluster.serving.ingress import OpenAIIngress
+
+    job = DecodeJob("chatcmpl-1", (1, 2, 3), SamplingParams(max_tokens=4), EXACT)
+    finished = Finished("length", (5, 6), "", {"arm": "exact", "timing_s": {"queue": 0.0}}, None, "u")
+
+    class Events:
+        def __init__(self):
+            self.items = iter([TextDelta("hi", (5, 6)), finished])
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            try:
+                return next(self.items)
+            except StopIteration:
+                raise StopAsyncIteration from None
+
+        def cancel(self):
+            pass
+
+    audited = []
+    ingress = SimpleNamespace(_maybe_audit=lambda j, f: audited.append(j.request_id))
+    body = SimpleNamespace(model="m", include_usage=True)
+
+    def stream():
+        timing = {"tokenize": 0.001, "ingress_to_unit": 0.002, "sse": 0.0}
+        return OpenAIIngress._stream(ingress, job, Events(), body, Deadline(10), timing, chat=True)
+
+    return stream, audited
+
+
+def test_stream_audits_after_the_last_byte_and_when_the_client_leaves_after_the_answer():
+    stream, audited = _ingress_parts()
+
+    async def whole():
+        events = []
+        async for event in stream():
+            events.append(event)
+            if event.startswith("data: [DONE]"):
+                assert audited == []  # not before the last byte
+        return events
+
+    events = asyncio.run(whole())
+    assert audited == ["chatcmpl-1"]
+    usage = json.loads(events[-2][len("data: "):])["usage"]
+    timing = usage["speculative"]["timing_s"]
+    assert list(timing)[:3] == ["tokenize", "ingress_to_unit", "queue"] and timing["prefill"] is None
+    assert timing["detokenize_sse"] > 0
+
+    stream, audited = _ingress_parts()
+
+    async def leaves():  # the client is gone once it has the finish reason, before usage and [DONE]
+        gen = stream()
+        async for event in gen:
+            if '"finish_reason":"length"' in event:
+                break
+        await gen.aclose()
+
+    asyncio.run(leaves())
+    assert audited == ["chatcmpl-1"]
+
+
+def test_a_json_answer_runs_its_after_work_also_when_sending_fails():
+    from cluster.serving.ingress import AfterJSONResponse
+
+    done = []
+
+    async def send_fails(message):
+        raise OSError("client gone")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    response = AfterJSONResponse({"ok": True}, lambda: done.append(True))
+    with pytest.raises(OSError):
+        asyncio.run(response({"type": "http"}, receive, send_fails))
+    assert done == [True]

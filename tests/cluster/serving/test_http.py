@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from served_app import decoder_stats, served_app
+from served_app import assert_timing, decoder_stats, served_app
 
 pytestmark = pytest.mark.slow
 
@@ -79,10 +79,12 @@ def test_health_and_models(server, client):
 
 
 def test_completion_with_speculative_usage(client):
+    start = time.perf_counter()
     raw = client.completions.with_raw_response.create(
         model=MODEL, prompt="one two three one two three one two", max_tokens=12, temperature=0,
         extra_headers={ARM: "exact"},
     )
+    wall = time.perf_counter() - start
     assert raw.headers[ARM] == "exact"
     completion = raw.parse()
     choice = completion.choices[0]
@@ -95,6 +97,7 @@ def test_completion_with_speculative_usage(client):
                 "gamma_min", "gamma_mean", "gamma_max"):
         assert key in spec
     assert spec["arm"] == "exact" and "regret_spent" not in spec
+    assert_timing(spec, wall, engine="native")
     again = client.completions.create(model=MODEL, prompt="one two three one two three one two", max_tokens=12,
                                       temperature=0, extra_headers={ARM: "exact"})
     assert again.choices[0].text == choice.text  # greedy is deterministic
@@ -113,12 +116,16 @@ def test_asd_arm_reports_regret(client):
 
 def test_chat_streaming_matches_non_streaming(client):
     messages = [{"role": "user", "content": "Say something."}]
+    start = time.perf_counter()
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                            extra_headers={ARM: "exact"})
+    assert_timing(whole.usage.model_extra["speculative"], time.perf_counter() - start, engine="native")
+    start = time.perf_counter()
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_headers={ARM: "exact"},
     ))
+    wall = time.perf_counter() - start
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -127,6 +134,7 @@ def test_chat_streaming_matches_non_streaming(client):
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens == whole.usage.completion_tokens
     assert usage.model_extra["speculative"]["arm"] == "exact"
+    assert_timing(usage.model_extra["speculative"], wall, engine="native")
 
 
 def test_completion_streaming_and_sampling(client):

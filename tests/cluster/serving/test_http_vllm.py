@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from served_app import decoder_stats, served_app
+from served_app import assert_timing, decoder_stats, served_app
 
 from tests.vllm_support import require_vllm_or_skip
 
@@ -68,8 +68,10 @@ def test_both_arms_greedy_with_speculative_usage(client):
     messages = [{"role": "user", "content": "Repeat exactly: red, green, blue, red, green, blue, red, green."}]
     outs = {}
     for arm in ("exact", "asd"):
+        start = time.perf_counter()
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, max_tokens=40, temperature=0, extra_headers={ARM: arm})
+        assert_timing(raw.parse().usage.model_extra["speculative"], time.perf_counter() - start, engine="vllm")
         assert raw.headers[ARM] == arm
         outs[arm] = raw.parse()
         spec = outs[arm].usage.model_extra["speculative"]
@@ -86,13 +88,16 @@ def test_streaming_matches_non_streaming(client):
     messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
                                            extra_headers={ARM: "exact"})
+    start = time.perf_counter()
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=48, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_headers={ARM: "exact"}))
+    wall = time.perf_counter() - start
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     usage = chunks[-1].usage
     assert usage.completion_tokens == whole.usage.completion_tokens
     assert usage.model_extra["speculative"]["arm"] == "exact"
+    assert_timing(usage.model_extra["speculative"], wall, engine="vllm")
 
 
 def test_bad_input_gets_a_4xx_with_an_openai_error_body(server):
