@@ -57,13 +57,12 @@ class DraftBatch:
         """Pack ragged rows of draft ids, padding with PAD_TOKEN_ID to at least one column (and confidence
         rows, one value per draft token, with 0)."""
         width = max(1, max((len(r) for r in rows), default=0))
-        ids = torch.full((len(rows), width), PAD_TOKEN_ID, dtype=torch.long)  # [B, Kmax]
-        conf = None if confidence is None else torch.zeros(len(rows), width)  # [B, Kmax]
-        for b, row in enumerate(rows):
-            if len(row):
-                ids[b, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
-                if conf is not None:
-                    conf[b, : len(row)] = torch.as_tensor(list(confidence[b]), dtype=torch.float)
+        # padded on the host and converted once: a tensor write per row cost more than the drafting itself
+        ids = torch.tensor([[*row, *[PAD_TOKEN_ID] * (width - len(row))] for row in rows],
+                           dtype=torch.long).reshape(len(rows), width)  # [B, Kmax]
+        conf = None if confidence is None else torch.tensor(
+            [[*c, *[0.0] * (width - len(row))] for row, c in zip(rows, confidence)],
+            dtype=torch.float).reshape(len(rows), width)  # [B, Kmax]
         lens = None if confidence is None else torch.as_tensor(list(match_lens or [0] * len(rows)), dtype=torch.long)
         return DraftBatch(ids, torch.tensor([len(r) for r in rows], dtype=torch.long), draft_probs, conf, lens)
 

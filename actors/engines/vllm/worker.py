@@ -74,6 +74,8 @@ class WorkerState:
         rank0 = _tensor_parallel_rank() == 0
         self.policy = _policy(settings, rank0)
         self.in_vllm = bool(settings.get("vllm_proposer"))  # vLLM's own proposer drafts (plan / cut)
+        # an in-process drafter reads a row's context as a view, only the tokens it has not indexed; an actor gets ints
+        self.remote_drafter = not self.in_vllm and settings["drafter"]["kind"] == "model"
         if self.in_vllm:
             self.drafter = None
         elif settings["drafter"]["kind"] == "model":
@@ -148,9 +150,9 @@ class WorkerState:
         self._last_draft_s = 0.0
         if wanted and self.drafter is not None:
             start = time.perf_counter()
-            batch_drafts = self.drafter.propose([
-                DraftRequest(book.rid, token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist(), g)
-                for i, book, g in wanted])
+            contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i, _, _ in wanted]  # views of the buffer
+            contexts = [c.tolist() for c in contexts] if self.remote_drafter else contexts
+            batch_drafts = self.drafter.propose([DraftRequest(b.rid, c, g) for (_, b, g), c in zip(wanted, contexts)])
             self._last_draft_s = time.perf_counter() - start
             if batch_drafts is None:  # the model drafter is unavailable: these rows decode plainly this step
                 for _, book, _ in wanted:
