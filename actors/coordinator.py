@@ -176,7 +176,10 @@ class Coordinator:
                 await self._wake.wait()
             try:
                 await self._apply_aborts()
+                started = len(self.scheduler.active)
                 chunks = await self._admit()
+                if len(self.scheduler.active) > started:  # first tokens out before the next forward, which a
+                    await asyncio.sleep(0)  # local target runs without suspending (issue 23: it held them a round)
                 if self.scheduler.active:
                     await self._round(chunks)
                 await asyncio.sleep(0)  # local backends never suspend: let consumers and aborts run

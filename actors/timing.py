@@ -13,7 +13,9 @@ unit's messages). A hop an engine does not expose is None, never an estimate. Th
 - `plan`, `draft`, `score`, `verify`: the rounds the request took part in, each round's parts summed (a round
   counts whole for every row of its batch, which waited for all of it).
 - `decode`: first token → last token, less plan, draft, score and verify (commits, the loop, the stream).
-- `detokenize_sse`: token ids to text (the decoder) and OpenAI chunks or the body (the ingress).
+- `detokenize_sse`: token ids to text (the decoder) and OpenAI chunks or the body (the ingress), for the last
+  token and after it; an earlier chunk's runs while the next round does (or, in the unit's own loop, inside
+  `decode`), so counting it here would count that time twice.
 - `end`: last token → the request's final message, the work of its end that still precedes the last byte.
 
 `end_deferred` (records and exports only, not the response): the end's work done after the final message

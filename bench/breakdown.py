@@ -24,7 +24,7 @@ from actors.timing import HOPS
 log = logging.getLogger("specserve.bench")
 
 PRESETS = {
-    "quick": {"workloads": ("chat",), "prompts": 4, "max_tokens": 32, "loads": (1, 8, 32), "waves": 1},
+    "quick": {"workloads": ("chat",), "prompts": 3, "max_tokens": 16, "loads": (1, 8, 32), "waves": 1},
     "full": {"workloads": ("chat", "edit"), "prompts": 8, "max_tokens": 128, "loads": (1, 8, 32), "waves": 2},
 }
 NATIVE_CONFIG, VLLM_CONFIG = "configs/local.yaml", "configs/local-vllm.yaml"

@@ -123,7 +123,8 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
     `decode(ids) -> str` is the tokenizer's decode. On a stop string the sequence is aborted (KV caches and
     ledger freed) and reported as finish reason "stop". If the consumer goes away (cancellation), closing the
     coordinator's stream frees the sequence. `usage.speculative.timing_s` gets the unit's hops (`actors.timing`):
-    the engine's, `first_token`, and the detokenization (`detokenize_sse`).
+    the engine's, `first_token`, and in `detokenize_sse` the detokenization after the last token (an earlier
+    chunk's runs while the next round does, or inside the loop's `decode` when the engine shares this process).
     """
     started = time.perf_counter()
     detokenize_s, first_t = 0.0, None
@@ -140,7 +141,7 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
                 first_t = first_t or t
                 tokens.extend(chunk.token_ids)
                 text = assembler.push(list(chunk.token_ids))
-                detokenize_s += time.perf_counter() - t
+                detokenize_s = time.perf_counter() - t  # the last chunk's is kept
                 if job.stream:
                     yield TextDelta(text, tuple(chunk.token_ids))
                 else:

@@ -7,7 +7,8 @@ Client mistakes get a 4xx with OpenAI's error body, a full queue or a failed uni
 (`cluster.serving.failures`), a request past `serving.request_timeout_s` a 408; a client that disconnects aborts
 its sequence in the unit. Greedy ASD requests the `AuditSampler` draws are replayed on the exact reference arm in
 the background, submitted once the last byte is sent (or the client is gone). `usage.speculative.timing_s` gets
-the ingress's hops (`actors.timing`): `tokenize`, `ingress_to_unit` and the OpenAI encoding. Every status: docs/reliability.md; the request path: docs/architecture.md.
+the ingress's hops (`actors.timing`): `tokenize`, `ingress_to_unit` and the OpenAI encoding after the unit's final
+message (an earlier chunk's is encoded while the unit works on). Every status: docs/reliability.md; the request path: docs/architecture.md.
 """
 
 
@@ -307,10 +308,11 @@ class OpenAIIngress:
         model = body.model
         finished = None
 
-        def chunk(**fields) -> str:  # one SSE event, its encoding counted in `detokenize_sse`
+        def chunk(**fields) -> str:  # one SSE event; after the final message, its encoding is `detokenize_sse`'s
             start = time.perf_counter()
             event = _sse(chunk_body(job.request_id, model, created, chat=chat, **fields))
-            timing["sse"] += time.perf_counter() - start
+            if finished is not None:
+                timing["sse"] += time.perf_counter() - start
             return event
 
         try:

@@ -237,10 +237,14 @@ class _SlowRelease:
     """A target whose release takes a while (an actor call): the final message must not wait for it."""
 
     def __init__(self, target, seconds=0.05):
-        self.inner, self.seconds, self.released_at = target, seconds, {}
+        self.inner, self.seconds, self.released_at, self.steps = target, seconds, {}, []
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    async def step(self, batch):
+        self.steps.append(time.perf_counter())
+        return await self.inner.step(batch)
 
     async def release(self, seq_ids):
         await asyncio.sleep(self.seconds)
@@ -260,8 +264,9 @@ class _Records:
 
 
 def test_timing_hops_partition_the_request_and_its_end_follows_the_answer(tiny):
-    """`usage.speculative.timing_s` from the unit: non-negative hops within the request's time; the final
-    message leaves before the caches are freed, `stats` waits for that, and the record keeps `end_deferred`."""
+    """`usage.speculative.timing_s` from the unit: non-negative hops within the request's time; the first token
+    leaves before the next forward, the final message before the caches are freed, `stats` waits for that, and
+    the record keeps `end_deferred`."""
     from actors.requests import collect
     from actors.timing import END_DEFERRED, ROUND_PARTS
 
@@ -282,6 +287,17 @@ def test_timing_hops_partition_the_request_and_its_end_follows_the_answer(tiny):
             await coord.stop()
         return results, stats
 
+    async def first_token():
+        stream = coord.generate(greedy("alone", PROMPTS[0], n=4))
+        await stream.__anext__()
+        seen = time.perf_counter()
+        await stream.aclose()
+        await coord.stop()
+        return seen
+
+    seen = asyncio.run(first_token())
+    assert sum(t < seen for t in coord.target.steps) == 1  # the prefill's forward only, not the first round's
+    coord.target.steps.clear()
     results, stats = asyncio.run(run())
     assert stats["target_sequences"] == [] and stats["active_requests"] == []
     for result, start, answered in results:
@@ -292,4 +308,4 @@ def test_timing_hops_partition_the_request_and_its_end_follows_the_answer(tiny):
         assert result.record.rounds > 0 and timing["score"] > 0 and timing["prefill"] > 0
         assert answered < coord.target.released_at[result.record.request_id]  # answered before the release
     deferred = {r.request_id: r.timing_s[END_DEFERRED] for r in observer.requests}
-    assert sorted(deferred) == ["t0", "t1", "t2"] and min(deferred.values()) >= 0.05
+    assert sorted(deferred) == ["alone", "t0", "t1", "t2"] and min(deferred.values()) >= 0.05
