@@ -9,8 +9,10 @@ import json
 import pytest
 import yaml
 
-from bench.vllm_peer import (BENCH_KV_CACHE_BYTES, GROUPS, SPECSERVE, VLLM_PEERS, _results, _vllm_command,
-                             report_markdown, specserve_variants, vllm_section)
+from bench.vllm_peer import (BENCH_KV_CACHE_BYTES, GROUPS, SPECSERVE, VLLM_PEERS, _vllm_command, specserve_variants,
+                             vllm_section)
+from bench.vllm_report import report_markdown
+from bench.vllm_report import results as _results
 from cluster.config import load_config, parse_config
 
 
