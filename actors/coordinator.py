@@ -183,8 +183,12 @@ class Coordinator:
                 if self.scheduler.active:
                     await self._round(chunks)
                 await asyncio.sleep(0)  # local backends never suspend: let consumers and aborts run
-            except asyncio.CancelledError:
-                raise
+            except asyncio.CancelledError as exc:
+                cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python >= 3.11
+                if cancelling is None or cancelling():
+                    raise
+                log.exception("unit %s: a part of the round was cancelled", self.unit)  # not the loop: fail, not hang
+                await self._fail_all(exc)
             except TargetUnavailable as exc:  # a shard died: rebuild the target, resume what was running
                 log.warning("unit %s: target lost (%s); rebuilding and resuming its requests", self.unit, exc)
                 await self._resume_all(exc)
@@ -317,8 +321,10 @@ class Coordinator:
         if not recovery.done():
             return False
         self._drafter_recovery = None
-        if recovery.exception() is not None:  # still down: try again next round
-            log.warning("unit %s: drafter recovery failed: %s", self.unit, recovery.exception())
+        # still down, or its loop ended before it did (a private loop of `generate_sync`): try again next round
+        if recovery.cancelled() or recovery.exception() is not None:
+            log.warning("unit %s: drafter recovery failed: %s", self.unit,
+                        "cancelled" if recovery.cancelled() else recovery.exception())
             self._drafter_recovery = asyncio.ensure_future(self.drafter.recover())
             return False
         log.info("unit %s: drafter is back", self.unit)

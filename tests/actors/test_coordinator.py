@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actors.coordinator import ArmSpec, Coordinator, GenerationRequest, SamplingParams
-from actors.drafting import ModelDrafter, NgramDrafter
+from actors.drafting import LocalDrafter, ModelDrafter, NgramDrafter
 from actors.engines.native.engine import Engine
 from actors.engines.native import load_model
 from actors.engines.native.packed import can_pack
@@ -309,3 +309,34 @@ def test_timing_hops_partition_the_request_and_its_end_follows_the_answer(tiny):
         assert answered < coord.target.released_at[result.record.request_id]  # answered before the release
     deferred = {r.request_id: r.timing_s[END_DEFERRED] for r in observer.requests}
     assert sorted(deferred) == ["alone", "t0", "t1", "t2"] and min(deferred.values()) >= 0.05
+
+
+class _DrafterThatDiesOnce(LocalDrafter):
+    """Fault injection: the first propose fails, and the first recovery outlasts the private loop it runs in."""
+
+    def __init__(self):
+        super().__init__(NgramDrafter(1, 3))
+        self.failed, self.recoveries = False, 0
+
+    async def propose(self, requests):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("drafter died")
+        return await super().propose(requests)
+
+    async def recover(self):
+        self.recoveries += 1
+        if self.recoveries == 1:
+            await asyncio.sleep(60)  # cancelled when generate_sync's loop ends
+
+
+def test_a_recovery_cut_short_by_its_loop_is_retried_not_a_hang(tiny, reference):
+    """A drafter recovery still running when a `generate_sync` loop ends is cancelled with it; the next request
+    restarts it (it used to raise CancelledError in the round and leave every later request hanging)."""
+    coord = unit(tiny[0])
+    coord.drafter = _DrafterThatDiesOnce()
+    first = coord.generate_sync(greedy("d0", PROMPTS[0]))
+    assert first.token_ids == reference[0] and first.record.degraded
+    later = [coord.generate_sync(greedy(f"d{i}", PROMPTS[i % len(PROMPTS)])) for i in range(1, 4)]
+    assert [o.token_ids for o in later] == [reference[i % len(PROMPTS)] for i in range(1, 4)]
+    assert coord.drafter.recoveries == 2 and later[-1].record.draft_tokens > 0
