@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams
+from actors.timing import ROUND_PARTS
 from actors.stats import RequestRecord
 from policies.ledger import RegretLedger
 
@@ -125,7 +126,7 @@ class RequestBook:
         if self.admitted_t is not None:
             out["prefill"] = (self.prefilled_t if self.prefilled_t is not None else now) - admitted
         if self.prefilled_t is not None:
-            out.update(zip(("plan", "draft", "score", "verify"), self.round_s))
+            out.update(zip(ROUND_PARTS, self.round_s))
             last = self.last_token_t if self.last_token_t is not None else self.prefilled_t
             out["decode"] = max(0.0, last - self.prefilled_t - sum(self.round_s))
             out["end"] = now - last
