@@ -127,7 +127,8 @@ def generate_once(config, prompt: str, *, chat: bool = False, max_tokens: int | 
     from cluster.config import validate_models
     from cluster.serving.ab import ArmRouter
     from cluster.serving.decoder import DecodeJob, Finished, decode_events, local_unit
-    from cluster.serving.protocol import resolve_max_tokens, usage_body
+    from cluster.serving.bodies import usage_body
+    from cluster.serving.protocol import resolve_max_tokens
 
     validate_models(config)
     tokenizer = load_tokenizer(config.target.source)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from actors.requests import ArmSpec, GenerationRequest, SamplingParams
+from actors.requests import ArmSpec, GenerationRequest, SamplingParams, TokenLogprob
 from cluster.config import SpecServeConfig, parse_config
 from cluster.serving.text import TextAssembler
 
@@ -47,6 +47,7 @@ class UnitStarted:
 class TextDelta:
     text: str  # may be empty while text is held back (split characters, a possible stop string)
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when the job's params ask for them
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Finished:
     regret_spent: float | None
     unit: str
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # a non-streaming job's, one per output token, when asked
 
 
 def policy_actor_name(app_name: str) -> str:
@@ -133,6 +135,7 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
     request = GenerationRequest(job.request_id, list(job.prompt_ids), job.params, job.arm, speculate=job.speculate)
     stream = coordinator.generate(request)
     tokens: list[int] = []
+    logprobs: list[TokenLogprob] | None = [] if job.params.logprobs is not None else None
     last = None
     try:
         async for chunk in stream:
@@ -140,12 +143,15 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
                 t = time.perf_counter()
                 first_t = first_t or t
                 tokens.extend(chunk.token_ids)
+                entries = _entries(chunk, logprobs is not None)
                 text = assembler.push(list(chunk.token_ids))
                 detokenize_s = time.perf_counter() - t  # the last chunk's is kept
                 if job.stream:
-                    yield TextDelta(text, tuple(chunk.token_ids))
+                    yield TextDelta(text, tuple(chunk.token_ids), entries)
                 else:
                     held.append(text)
+                    if entries is not None:
+                        logprobs.extend(entries)
             if chunk.finish_reason is not None:
                 last = chunk
                 break
@@ -174,7 +180,18 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
         regret_spent=record.regret_spent if record is not None else None,
         unit=unit,
         error=last.error if last is not None else None,
+        logprobs=None if logprobs is None or job.stream else tuple(logprobs),
     )
+
+
+def _entries(chunk, wanted: bool) -> tuple[TokenLogprob, ...] | None:
+    """A chunk's logprobs when the job asked for them: one per token, else the engine broke its contract."""
+    if not wanted:
+        return None
+    if chunk.logprobs is None or len(chunk.logprobs) != len(chunk.token_ids):
+        raise RuntimeError(f"the unit sent {len(chunk.token_ids)} tokens with "
+                           f"{'no' if chunk.logprobs is None else len(chunk.logprobs)} logprobs")
+    return tuple(chunk.logprobs)
 
 
 async def _final_chunk(stream):

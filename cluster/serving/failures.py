@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-from cluster.serving.protocol import APIError
+from cluster.serving.errors import APIError
 
 UNIT_LOST = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)  # the replica died or is gone
 RETRY_AFTER_S = 1

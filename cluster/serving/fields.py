@@ -107,22 +107,9 @@ def unsupported(why: str) -> PydanticCustomError:
     return PydanticCustomError(UNSUPPORTED, "{why}", {"why": why})
 
 
-class RefusedSamplingFields(BaseModel):
-    """Both routes: OpenAI's penalties and biases, and the vLLM extensions clients send in `extra_body`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    frequency_penalty: refused(0, why="not applied yet") = None
-    presence_penalty: refused(0, why="not applied yet") = None
-    logit_bias: refused({}, why="not applied yet") = None
-    repetition_penalty: refused(1, why="vLLM's extension, not applied yet") = None
-    min_tokens: refused(0, why="vLLM's extension, not applied yet") = None
-
-
 class RefusedCompletionFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    logprobs: refused(why="not returned yet") = None
     best_of: refused(1, why="more candidates than n are not supported yet") = None
     suffix: refused("", why="insertion is not supported") = None
 
@@ -141,9 +128,6 @@ class ChatFieldsNotHonoured(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    logprobs: refused(False, why="not returned yet") = None
-    top_logprobs: refused(0, why="logprobs are not returned yet") = None
-    response_format: refused({"type": "text"}, why="structured output is not supported yet") = None
     tools: refused([], why="tool calling is not supported yet") = None
     tool_choice: refused("none", why="tool calling is not supported yet") = None
     functions: refused([], why="function calling is not supported") = None

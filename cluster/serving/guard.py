@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.serving.protocol import error_body
+from cluster.serving.errors import error_body
 
 logger = logging.getLogger(__name__)
 

@@ -28,11 +28,12 @@ from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.requests import SamplingParams
-from actors.timing import add, hops
 from cluster.config import parse_config
 from cluster.serving import openapi
 from cluster.serving.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError
 from cluster.serving.audit import AuditRunner, AuditSampler
+from cluster.serving.bodies import TokenText, choice_body, chunk_body, completion_body, models_body
+from cluster.serving.choices import Choice, choice_seed, merged, openai_reason, usage
 from cluster.serving.decoder import DecodeJob, Finished, TextDelta, UnitStarted, policy_actor_name, policy_kwargs
 from cluster.serving.failures import (
     UNIT_LOST,
@@ -43,18 +44,8 @@ from cluster.serving.failures import (
     unit_lost,
 )
 from cluster.serving.guard import GuardPolicy, RequestGuard
-from cluster.serving.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    chunk_body,
-    completion_body,
-    error_body,
-    models_body,
-    resolve_max_tokens,
-    usage_body,
-    validation_error,
-)
+from cluster.serving.errors import APIError, error_body, validation_error
+from cluster.serving.protocol import ChatCompletionRequest, CompletionRequest, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -107,22 +98,6 @@ class AfterJSONResponse(JSONResponse):
             self.after()
 
 
-def _usage(job: DecodeJob, finished: Finished, ingress: dict[str, float]) -> dict[str, Any]:
-    """`usage`, its `speculative.timing_s` completed with the ingress's hops (`actors.timing.hops`)."""
-    speculative = finished.speculative
-    if speculative is not None:
-        timing = speculative.get("timing_s") or {}
-        timing = add({**timing, "tokenize": ingress["tokenize"], "ingress_to_unit": ingress["ingress_to_unit"]},
-                     "detokenize_sse", ingress["sse"])
-        speculative = {**speculative, "timing_s": hops(timing)}
-    return usage_body(len(job.prompt_ids), len(finished.token_ids), speculative)
-
-
-def _openai_reason(finished: Finished) -> str:
-    """OpenAI knows "stop" and "length"; an aborted sequence (unit shutting down) reads as "stop"."""
-    return "length" if finished.finish_reason == "length" else "stop"
-
-
 # Everything the ingress class uses is defined above it: serve.ingress captures the class when it decorates it.
 @serve.ingress(app)
 class OpenAIIngress:
@@ -139,6 +114,7 @@ class OpenAIIngress:
         info = model_info(self.config.target.source)
         self.max_seq_len = context_length(self.config.target.max_seq_len, info)
         self.vocab_size = info["vocab_size"]
+        self.token_text = TokenText(self.tokenizer)
         self.router = ArmRouter(self.config.arms)
         self.sampler = AuditSampler(self.config.audit.fraction)
         self.auditor = AuditRunner(
@@ -176,16 +152,18 @@ class OpenAIIngress:
     @app.post("/v1/completions", response_model=openapi.Completion, responses=openapi.GENERATE)
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
+        body.check_choices()
         start = time.perf_counter()
-        prompt = self._completion_prompt(body)
-        return await self._serve(body, prompt, request, chat=False, tokenize_s=time.perf_counter() - start)
+        prompts = [self._completion_prompt(prompt) for prompt in body.prompts]
+        return await self._serve(body, prompts, request, chat=False, tokenize_s=time.perf_counter() - start)
 
     @app.post("/v1/chat/completions", response_model=openapi.ChatCompletion, responses=openapi.GENERATE)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
+        body.check_choices()
         start = time.perf_counter()
         prompt = self._chat_prompt(body)
-        return await self._serve(body, prompt, request, chat=True, tokenize_s=time.perf_counter() - start)
+        return await self._serve(body, [prompt], request, chat=True, tokenize_s=time.perf_counter() - start)
 
     # --- request handling --------------------------------------------------------------------------------
     def hub(self):
@@ -195,12 +173,12 @@ class OpenAIIngress:
             self._hub = get_or_create_hub(self.app_name, self.config.telemetry, [a.name for a in self.config.arms])
         return self._hub
 
-    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
-        if isinstance(body.prompt, str):
-            return list(self.tokenizer.encode(body.prompt))
-        if max(body.prompt) >= self.vocab_size:
+    def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if max(prompt) >= self.vocab_size:
             raise APIError(f"prompt token ids must be < {self.vocab_size}", param="prompt", code="invalid_value")
-        return list(body.prompt)
+        return list(prompt)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -223,60 +201,85 @@ class OpenAIIngress:
                 status=404, param="model", code="model_not_found",
             )
 
-    def _job(self, body, prompt_ids: list[int], request: Request):
+    def _choices(self, body, prompts: list[list[int]], request: Request, *, chat: bool):
+        """The request's choices (one `DecodeJob` each, prompt-major) and its arm; a 4xx naming the field."""
         serving = self.config.serving
-        max_tokens = resolve_max_tokens(
-            body.requested_max_tokens, prompt_len=len(prompt_ids), default=serving.default_max_tokens,
-            limit=serving.max_tokens_limit, max_seq_len=self.max_seq_len,
-        )
         try:
             arm = self.router.assign(body.user, request.headers.get(ARM_HEADER))
         except UnknownArmError as err:
             raise APIError(str(err), param=ARM_HEADER, code="unknown_arm") from None
-        try:
-            params = SamplingParams(max_tokens=max_tokens, seed=body.seed,
-                                    **body.sampling(serving.defaults, self.vocab_size),
-                                    **body.stop_rules(self.vocab_size))
-        except ValueError as err:
-            raise APIError(str(err), code="invalid_value") from None
-        request_id = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-{uuid.uuid4().hex}"
-        job = DecodeJob(request_id, tuple(prompt_ids), params, arm.to_arm_spec(), body.stop_strings, body.speculate,
-                        stream=bool(body.stream))
-        return job, arm
+        structured = body.structured() if chat else None
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        total = len(prompts) * body.n
+        choices = []
+        for p, prompt_ids in enumerate(prompts):
+            max_tokens = resolve_max_tokens(
+                body.requested_max_tokens, prompt_len=len(prompt_ids), default=serving.default_max_tokens,
+                limit=serving.max_tokens_limit, max_seq_len=self.max_seq_len,
+            )
+            rules = {**body.sampling(serving.defaults, self.vocab_size), **body.stop_rules(self.vocab_size),
+                     **body.logit_rules(self.vocab_size, max_tokens)}
+            echo = self.tokenizer.decode(prompt_ids, skip_special_tokens=True) if getattr(body, "echo", False) else ""
+            for j in range(body.n):
+                try:
+                    params = SamplingParams(max_tokens=max_tokens, seed=choice_seed(body.seed, j),
+                                            logprobs=body.top_logprobs_n, structured=structured, **rules)
+                except ValueError as err:
+                    raise APIError(str(err), code="invalid_value") from None
+                index = p * body.n + j
+                job = DecodeJob(request_id if total == 1 else f"{request_id}-{index}", tuple(prompt_ids), params,
+                                arm.to_arm_spec(), body.stop_strings, body.speculate, stream=bool(body.stream))
+                choices.append(Choice(index, job, chat, echo))
+        return request_id, choices, arm
 
-    async def _serve(self, body, prompt_ids: list[int], request: Request, *, chat: bool,
+    async def _serve(self, body, prompts: list[list[int]], request: Request, *, chat: bool,
                      tokenize_s: float) -> Response:
         deadline = Deadline(self.timeout_s)
-        job, arm = self._job(body, prompt_ids, request)
-        events, to_unit = await self._start(job, deadline)
-        timing = {"tokenize": tokenize_s, "ingress_to_unit": to_unit, "sse": 0.0}
+        request_id, choices, arm = self._choices(body, prompts, request, chat=chat)
+        started = await self._start_all([c.job for c in choices], deadline)
+        timing = {"tokenize": tokenize_s, "ingress_to_unit": [to_unit for _, to_unit in started], "sse": 0.0}
+        prompt_tokens = sum(len(p) for p in prompts)
         headers = {ARM_RESPONSE_HEADER: arm.name}
+        events = [e for e, _ in started]
         if body.stream:
-            stream = self._stream(job, events, body, deadline, timing, chat=chat)
+            stream = self._stream(request_id, choices, events, body, deadline, timing, prompt_tokens)
             return ClosingStreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        text, finished = [], None
         try:
-            async for event in deadline.timed(events):
-                if isinstance(event, TextDelta):
-                    text.append(event.text)
-                elif isinstance(event, Finished):
-                    finished = event
+            async for i, event in merged([deadline.timed(e) for e in events]):
+                choices[i].add(event)
         except asyncio.TimeoutError:
             raise deadline.error() from None
         except UNIT_LOST as err:
-            await self._forget(job)
+            await asyncio.gather(*(self._forget(c.job) for c in choices))
             raise unit_lost(err) from None
         finally:
-            events.cancel()  # a no-op once finished; frees the sequence if this handler is cancelled or late
-        if finished is None or finished.finish_reason == "error":
-            raise unit_failed(finished.error if finished else "the unit ended the stream")
+            for e in events:  # a no-op once finished; frees the sequences if this handler is cancelled or late
+                e.cancel()
+        for c in choices:
+            if c.finished is None or c.finished.finish_reason == "error":
+                raise unit_failed(c.finished.error if c.finished else "the unit ended the stream")
         start = time.perf_counter()
-        text.append(finished.text)
-        text = "".join(text)
+        bodies = [choice_body(c.index, c.full_text, openai_reason(c.finished), chat=chat,
+                              logprobs=c.render_logprobs(c.logprobs if c.job.params.logprobs is not None else None,
+                                                         self.token_text)) for c in choices]
         timing["sse"] = time.perf_counter() - start  # the body's own JSON encoding follows its usage: not in it
-        result = completion_body(job.request_id, body.model, text, _openai_reason(finished),
-                                 _usage(job, finished, timing), chat=chat, created=int(time.time()))
-        return AfterJSONResponse(result, lambda: self._maybe_audit(job, finished), headers=headers)
+        result = completion_body(request_id, body.model, bodies, usage(choices, timing, prompt_tokens), chat=chat,
+                                 created=int(time.time()))
+        return AfterJSONResponse(result, lambda: self._audit_all(choices), headers=headers)
+
+    async def _start_all(self, jobs: list[DecodeJob], deadline: Deadline):
+        """`_start` for every job, concurrently; if one fails, the others' streams are cancelled and its error
+        raised."""
+        if len(jobs) == 1:
+            return [await self._start(jobs[0], deadline)]
+        results = await asyncio.gather(*(self._start(job, deadline) for job in jobs), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for r in results:
+                if not isinstance(r, BaseException):
+                    r[0].cancel()
+            raise failed
+        return results
 
     async def _start(self, job: DecodeJob, deadline: Deadline):
         """Send the job to a unit and wait until one accepted it: (the unit's events, seconds from the call to
@@ -302,52 +305,60 @@ class OpenAIIngress:
             raise RuntimeError(f"unit protocol: expected UnitStarted, got {type(first).__name__}")
         return events, first.started_s - sent
 
-    async def _stream(self, job: DecodeJob, events, body, deadline: Deadline, timing: dict[str, float], *,
-                      chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, request_id: str, choices: list[Choice], events, body, deadline: Deadline,
+                      timing: dict[str, Any], prompt_tokens: int) -> AsyncIterator[str]:
         created = int(time.time())
-        model = body.model
-        finished = None
+        model, chat = body.model, choices[0].chat
+        done = 0  # choices whose final message came: the encoding after the last one is `detokenize_sse`'s
 
-        def chunk(**fields) -> str:  # one SSE event; after the final message, its encoding is `detokenize_sse`'s
+        def chunk(index: int, **fields) -> str:
             start = time.perf_counter()
-            event = _sse(chunk_body(job.request_id, model, created, chat=chat, **fields))
-            if finished is not None:
+            event = _sse(chunk_body(request_id, model, created, chat=chat, index=index, **fields))
+            if done == len(choices):
                 timing["sse"] += time.perf_counter() - start
             return event
 
         try:
-            if chat:
-                yield chunk(role=True)
-            async for event in deadline.timed(events):
-                if isinstance(event, TextDelta) and event.text:
-                    yield chunk(text=event.text)
+            for c in choices:
+                if chat:
+                    yield chunk(c.index, role=True)
+                elif c.echo:
+                    yield chunk(c.index, text=c.echo)
+            async for i, event in merged([deadline.timed(e) for e in events]):
+                c = choices[i]
+                if isinstance(event, TextDelta) and (event.text or event.logprobs):
+                    yield chunk(c.index, text=event.text, logprobs=c.render_logprobs(event.logprobs, self.token_text))
                 elif isinstance(event, Finished):
-                    finished = event
-            if finished is None or finished.finish_reason == "error":
-                message = finished.error if finished else "the unit ended the stream"
+                    c.finished = event
+                    if event.finish_reason == "error":
+                        break
+                    done += 1
+                    if event.text:
+                        yield chunk(c.index, text=event.text)
+                    yield chunk(c.index, finish_reason=openai_reason(event))
+            failed = next((c.finished for c in choices if c.finished is None or c.finished.finish_reason == "error"),
+                          False)
+            if failed is not False:
+                message = failed.error if failed else "the unit ended the stream"
                 yield _sse(error_body(f"generation failed: {message}", type="server_error", code="unit_failed"))
-            else:
-                if finished.text:
-                    yield chunk(text=finished.text)
-                yield chunk(finish_reason=_openai_reason(finished))
-                if body.include_usage:
-                    yield chunk(usage=_usage(job, finished, timing), no_choices=True)
+            elif body.include_usage:
+                yield chunk(0, usage=usage(choices, timing, prompt_tokens), no_choices=True)
             yield SSE_DONE
         except asyncio.TimeoutError:
             yield _sse(deadline.error().body())
             yield SSE_DONE
         except UNIT_LOST as err:
-            await self._forget(job)
+            await asyncio.gather(*(self._forget(c.job) for c in choices))
             yield _sse(unit_lost(err).body())
             yield SSE_DONE
         except Exception as err:  # the status line is sent already: report in-band, then end the stream
-            logger.exception("request %s: stream failed", job.request_id)
+            logger.exception("request %s: stream failed", request_id)
             yield _sse(error_body(f"generation failed: {err}", type="server_error", code="stream_failed"))
             yield SSE_DONE
         finally:
-            events.cancel()  # client gone (or done): the unit aborts the sequence and frees its caches
-            if finished is not None and finished.finish_reason != "error":
-                self._maybe_audit(job, finished)  # after the last byte, or once the client is gone
+            for e in events:  # client gone (or done): the unit aborts each sequence and frees its caches
+                e.cancel()
+            self._audit_all(choices)  # after the last byte, or once the client is gone
 
     # --- quality audit -----------------------------------------------------------------------------------
     def _maybe_audit(self, job: DecodeJob, finished: Finished) -> None:

@@ -46,10 +46,34 @@ class Usage(BaseModel):
         "end; null where the engine does not expose a hop)")
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobBody(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Each output token's logprob under the target (the raw distribution) and the top ones at its position."""
+
+    content: list[TokenLogprobBody] | None
+    refusal: list[TokenLogprobBody] | None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -70,7 +94,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -86,7 +110,7 @@ class ChatCompletion(BaseModel):
 class CompletionChunkChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -109,7 +133,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length"] | None
 
 

@@ -1,96 +1,33 @@
-"""The OpenAI-compatible wire format: request models, their validation, response bodies and errors.
+"""The OpenAI-compatible wire format: the request models and their validation.
 
 Terms:
 - **prompt ids**: the token ids the target sees (a completion's prompt, or the chat template applied to the
   messages). The context limit applies to prompt ids + max_tokens.
 - **stop strings**: text-level stops, applied as tokens are detokenized (`cluster.serving.text`).
 
-Every client mistake raises `APIError` (status 4xx) and renders as OpenAI's body
-`{"error": {"message", "type", "param", "code"}}`; pydantic's errors map to the same body with `param` naming
-the offending field. Nothing here imports Ray or torch.
+Every client mistake raises `APIError` (`cluster.serving.errors`): a 4xx whose body's `param` names the field.
+The response bodies are `cluster.serving.bodies`'. Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cluster.serving.fields import (UNKNOWN, UNSUPPORTED, ChatFieldsNotHonoured, RefusedCompletionFields,
-                                    RefusedMessageFields, RefusedSamplingFields, StrictRequest, declare,
-                                    unsupported)
+from actors.requests import MAX_LOGPROBS, StructuredOutput
+from cluster.serving.errors import APIError
+from cluster.serving.fields import (UNSUPPORTED, ChatFieldsNotHonoured, RefusedCompletionFields,
+                                    RefusedMessageFields, StrictRequest, declare, unsupported)
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 128  # choices per request: n × prompts (OpenAI's n limit)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+MAX_REPETITION_PENALTY = 100.0
 MAX_TEMPERATURE = 2.0  # OpenAI's range; far larger values overflow float32 in the sampler
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (as vLLM does): 1/T would overflow the logits
 INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1
-
-
-class APIError(Exception):
-    """A request the server refuses; rendered as an OpenAI error body with HTTP `status`."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """The 400 for pydantic/FastAPI validation errors: the first error's field becomes `param`.
-
-    FastAPI locations start with "body" (or "query", "header"); that prefix is dropped, and list indices are
-    kept (`messages.0.content`). A body that is not valid JSON maps to param None, code "invalid_json".
-    """
-    if not errors:
-        return APIError("invalid request", code="invalid_request")
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "header")]
-    if first.get("type") == "json_invalid":
-        return APIError(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
-    # pydantic reports union members as extra location parts ("str", "list[str]"); keep the field path only.
-    loc = [part for part in loc if not _is_type_name(part)]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid value")
-    if param:
-        message = f"{param}: {message}"
-    extra = len(errors) - 1
-    if extra:
-        message += f" (and {extra} more error{'s' if extra > 1 else ''})"
-    kind = first.get("type")
-    if kind == "extra_forbidden":
-        message = f"{param}: unknown parameter (neither in OpenAI's schema nor a specserve extension)"
-    code = {"missing": "missing_required_parameter", "extra_forbidden": UNKNOWN, UNSUPPORTED: UNSUPPORTED}.get(
-        kind, "invalid_value")
-    return APIError(message, param=param, code=code)
-
-
-def _is_type_name(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "list[str]", "list[int]", "none") or part.startswith(
-        ("list[", "function-", "constrained-")
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -104,7 +41,7 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = Field(None, description="Ignored: chunks are sent without padding.")
 
 
-class _SamplingFields(StrictRequest, RefusedSamplingFields):
+class _SamplingFields(StrictRequest):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
     model: str = Field(min_length=1, description="The served model id (`GET /v1/models`).")
@@ -123,8 +60,9 @@ class _SamplingFields(StrictRequest, RefusedSamplingFields):
                                          {"type": "array", "items": {"type": "string", "minLength": 1},
                                           "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]),
     )
-    n: int = Field(1, description="Choices per request; only 1 is supported yet.",
-                   json_schema_extra=declare(minimum=1, maximum=1, or_null=True))
+    n: int = Field(1, ge=1, le=MAX_CHOICES, json_schema_extra=declare(or_null=True),
+                   description=f"Choices per prompt (at most {MAX_CHOICES} choices per request); a seeded "
+                   "request's choice j draws with seed + j.")
     user: str | None = Field(None, max_length=256, description="End-user id; makes the A/B arm sticky.")
     stream: bool = Field(False, description="Stream server-sent events.", json_schema_extra=declare(or_null=True))
     stream_options: StreamOptions | None = None
@@ -133,13 +71,34 @@ class _SamplingFields(StrictRequest, RefusedSamplingFields):
                                              description="Extension (vLLM's): token ids that end the output, "
                                              "which stops before them.")
     ignore_eos: bool | None = Field(None, description="Extension (vLLM's): go on past the model's end tokens.")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Subtracted from a token's logit "
+                                            "once per time it occurs in the output so far.")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Subtracted from a token's logit "
+                                           "once it occurs in the output so far.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (a decimal string) -> a bias in [-100, 100] added to its logit; -100 bans it.",
+        json_schema_extra=declare(anyOf=[{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                                          "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                          "maxProperties": MAX_LOGIT_BIAS}, {"type": "null"}]))
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY, description="Extension "
+                                             "(vLLM's): a logit of a token in the prompt or output is divided by "
+                                             "it if positive, multiplied by it if not; 1 is off.")
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="Extension (vLLM's): no end token or "
+                                   "stop token id before this many output tokens (stop strings still apply).")
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise unsupported("only n = 1 is supported yet")
-        return n
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(bias)}")
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -197,44 +156,74 @@ class _SamplingFields(StrictRequest, RefusedSamplingFields):
                            param="stop_token_ids", code="invalid_value")
         return {"stop_token_ids": stop_ids, "ignore_eos": bool(self.ignore_eos)}
 
+    def logit_rules(self, vocab_size: int, max_tokens: int) -> dict[str, Any]:
+        """The penalties, `logit_bias` (token ids below `vocab_size`) and `min_tokens` (at most `max_tokens`) as
+        `actors.requests.SamplingParams` takes them; a 400 naming the field otherwise."""
+        bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if any(t >= vocab_size for t in bias):
+            raise APIError(f"logit_bias: token ids must be < {vocab_size}, got {sorted(t for t in bias if t >= vocab_size)}",
+                           param="logit_bias", code="invalid_value")
+        if (self.min_tokens or 0) > max_tokens:
+            raise APIError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})",
+                           param="min_tokens", code="invalid_value")
+        return {"frequency_penalty": float(self.frequency_penalty or 0.0),
+                "presence_penalty": float(self.presence_penalty or 0.0),
+                "repetition_penalty": float(self.repetition_penalty or 1.0),
+                "logit_bias": bias or None, "min_tokens": self.min_tokens or 0}
+
 
 class CompletionRequest(_SamplingFields, RefusedCompletionFields):
-    """POST /v1/completions. `prompt` is text or token ids, alone or as a one-element list."""
+    """POST /v1/completions. `prompt` is text or token ids, or a list of either: one choice per prompt (times n)."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="The prompt (one per request): text or token ids, alone or as a list of one.",
+        description=f"The prompt: text or token ids, or a list of up to {MAX_CHOICES} of either.",
         json_schema_extra=declare(anyOf=[
             {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES},
             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
             {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-             "minItems": 1, "maxItems": 1},
+             "minItems": 1, "maxItems": MAX_CHOICES},
         ]),
     )
-    echo: bool = Field(False, description="Not supported yet; must be false.",
-                       json_schema_extra=declare(const=False, or_null=True))
+    echo: bool = Field(False, description="Put the prompt's text in front of each choice's text.",
+                       json_schema_extra=declare(or_null=True))
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Each output token's logprob and the "
+                                 "top this-many tokens at its position (the raw target distribution).")
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) != 1:
-                raise unsupported("only one prompt per request is supported yet")
-            prompt = prompt[0]
-        if isinstance(prompt, str) and not prompt:
-            raise ValueError("prompt must not be empty")
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError("prompt must not be empty")
-        if isinstance(prompt, list) and any(t < 0 for t in prompt):
-            raise ValueError("prompt token ids must be >= 0")
+    def _prompts(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> str | list[str] | list[int] | list[list[int]]:
+        many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        for one in prompt if many else [prompt]:
+            if not one:
+                raise ValueError("prompt must not be empty")
+            if isinstance(one, list) and any(t < 0 for t in one):
+                raise ValueError("prompt token ids must be >= 0")
+        if many and len(prompt) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} prompts are allowed, got {len(prompt)}")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise unsupported("echo is not supported yet")
-        return echo
+    def check_choices(self) -> None:
+        """Cross-field rules, as a 400 naming the field: n × prompts within MAX_CHOICES; no echo with logprobs
+        (the prompt's logprobs are not computed)."""
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise APIError(f"n: {self.n} choices for each of {len(self.prompts)} prompts exceed {MAX_CHOICES} "
+                           "choices per request", param="n", code="invalid_value")
+        if self.echo and self.logprobs is not None:
+            raise APIError("echo with logprobs needs the prompt's logprobs, which are not computed; send one or "
+                           "the other", param="echo", code=UNSUPPORTED)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, in order."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            return list(prompt)
+        return [prompt]
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -261,11 +250,80 @@ class ChatMessage(RefusedMessageFields):
         return "".join(part.text for part in self.content)
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="The schema's name.")
+    description: str | None = Field(None, description="What the output is for (not used for decoding).")
+    schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema every output follows.")
+    strict: bool | None = Field(None, description="Outputs always follow the schema exactly; false is refused.")
+
+    @field_validator("strict")
+    @classmethod
+    def _always_strict(cls, strict: bool | None) -> bool | None:
+        if strict is False:
+            raise unsupported("outputs always follow the schema exactly; strict: false is not supported")
+        return strict
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = Field(None, description="With type json_schema: the schema.")
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.json_schema is None:
+            raise APIError("response_format: type json_schema needs json_schema", param="response_format.json_schema",
+                           code="missing_required_parameter")
+        import json
+
+        from jsonschema import SchemaError
+        from jsonschema.validators import validator_for
+
+        schema = self.json_schema.schema_
+        try:
+            validator_for(schema).check_schema(schema)
+        except SchemaError as err:
+            raise APIError(f"response_format.json_schema.schema is not a valid JSON Schema: {err.message}",
+                           param="response_format.json_schema.schema", code="invalid_value") from None
+        return StructuredOutput("json_schema", json.dumps(schema))
+
+
 class ChatCompletionRequest(_SamplingFields, ChatFieldsNotHonoured):
     """POST /v1/chat/completions. The prompt is the tokenizer's chat template applied to `messages`."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, description="Newer name of max_tokens.")
+    logprobs: bool | None = Field(None, description="Return each output token's logprob (the raw target "
+                                  "distribution).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: the top this-many "
+                                     "tokens at each position too.")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object (any JSON object) or "
+                                                   "json_schema: every output follows the grammar, also under "
+                                                   "speculation.")
+
+    def check_choices(self) -> None:
+        """Cross-field rules, as a 400 naming the field: top_logprobs needs logprobs."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return []  # the chat template makes the one prompt (`OpenAIIngress._chat_prompt`)
+
+    @property
+    def top_logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar `response_format` asks for (None for text); a 400 naming the field for a schema that is
+        not a valid JSON Schema."""
+        return None if self.response_format is None else self.response_format.structured()
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -318,78 +376,3 @@ def resolve_max_tokens(
             code="context_length_exceeded",
         )
     return requested
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Responses
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int, speculative: dict | None) -> dict[str, Any]:
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if speculative is not None:
-        usage["speculative"] = speculative
-    return usage
-
-
-def completion_body(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage: dict | None, *, chat: bool,
-    created: int | None = None,
-) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion."""
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {
-        "id": request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created if created is not None else int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage,
-    }
-
-
-def chunk_body(
-    request_id: str, model: str, created: int, *, chat: bool, text: str | None = None, role: bool = False,
-    finish_reason: str | None = None, usage: dict | None = None, no_choices: bool = False,
-) -> dict[str, Any]:
-    """One streamed chunk. `role` opens a chat stream; `no_choices` is the final usage-only chunk."""
-    if no_choices:
-        choices: list[dict] = []
-    elif chat:
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-            delta["content"] = ""
-        if text:
-            delta["content"] = text
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-    else:
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
-    body = {
-        "id": request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage is not None:
-        body["usage"] = usage
-    return body
-
-
-def models_body(served_name: str, owned_by: str = "specserve", created: int | None = None) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": served_name, "object": "model", "created": created or 0, "owned_by": owned_by}],
-    }

@@ -190,7 +190,8 @@ def _build_project_unit(config: Any) -> _ProjectUnit:
     from cluster.config import SpecServeConfig, load_config, validate_models
     from cluster.serving.ab import ArmRouter
     from cluster.serving.decoder import DecodeJob, Finished, decode_events, local_unit
-    from cluster.serving.protocol import APIError, resolve_max_tokens
+    from cluster.serving.errors import APIError
+    from cluster.serving.protocol import resolve_max_tokens
 
     if not isinstance(config, SpecServeConfig):
         config = load_config(Path(config))

@@ -1,4 +1,5 @@
-"""Fixtures for tests that serve a real app: a free loopback port and one Serve app per test module."""
+"""Helpers of the serving tests: a free loopback port, one Serve app per test module, and request parsing as
+FastAPI does it."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def assert_timing(spec: dict, wall_s: float, *, engine: str) -> None:
     assert timing["first_token"] is not None and timing["decode"] is not None
     if engine == "native":
         assert timing["prefill"] > 0 and timing["score"] > 0
+
+
+def parse_request(model, payload):
+    """What FastAPI does with a body: validate it, and map pydantic's errors to the API error."""
+    from pydantic import ValidationError
+
+    from cluster.serving.errors import APIError, validation_error
+
+    if not isinstance(payload, dict):
+        raise APIError("request body must be a JSON object", code="invalid_request")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as err:
+        raise validation_error(err.errors(include_url=False)) from None

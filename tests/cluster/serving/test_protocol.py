@@ -3,32 +3,19 @@
 from collections import Counter
 
 import pytest
-from pydantic import ValidationError
 
+from cluster.serving.bodies import choice_body, chunk_body, completion_body, usage_body
+from cluster.serving.errors import APIError
 from cluster.serving.protocol import (
-    APIError,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     ContentPart,
     StreamOptions,
-    chunk_body,
-    completion_body,
     resolve_max_tokens,
-    usage_body,
-    validation_error,
 )
 from cluster.serving.text import TextAssembler
-
-
-def parse_request(model, payload):
-    """What FastAPI does with a body: validate it, and map pydantic's errors to the API error."""
-    if not isinstance(payload, dict):
-        raise APIError("request body must be a JSON object", code="invalid_request")
-    try:
-        return model.model_validate(payload)
-    except ValidationError as err:
-        raise validation_error(err.errors(include_url=False)) from None
+from served_app import parse_request
 
 
 def _completion(**fields):
@@ -50,11 +37,13 @@ def test_defaults_and_extensions():
     assert request.temperature == 1.0 and request.top_p == 1.0 and request.top_k_or_none == 5
     assert request.include_usage and request.stop_strings == () and request.speculate
     assert _completion(top_k=-1).top_k_or_none is None
-    assert _completion(prompt=["one"]).prompt == "one"
-    assert _completion(prompt=[1, 2, 3]).prompt == [1, 2, 3]
+    assert _completion(prompt=["one"]).prompts == ["one"]
+    assert _completion(prompt=[1, 2, 3]).prompts == [[1, 2, 3]]
+    assert _completion(prompt=["a", "b"]).prompts == ["a", "b"]
     assert _completion(stop="\n").stop_strings == ("\n",)
     assert _completion(logit_bias=None, frequency_penalty=0).model == "m"  # neutral values, as SDKs send them
-    assert _completion(prompt=[[4, 5]]).prompt == [4, 5]
+    assert _completion(prompt=[[4, 5]]).prompts == [[4, 5]]
+    assert _completion(prompt=[[4, 5], [6]], n=3).prompts == [[4, 5], [6]]
 
 
 @pytest.mark.parametrize(
@@ -63,17 +52,25 @@ def test_defaults_and_extensions():
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
         ({"max_tokens": "lots"}, "max_tokens"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
         ({"prompt": 5}, "prompt"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": ""}, "model"),
-        ({"echo": True}, "echo"),
         ({"top_k": -5}, "top_k"),
-        ({"prompt": [[1], [2]]}, "prompt"),
+        ({"prompt": [[1], []]}, "prompt"),
+        ({"prompt": ["a"] * 129}, "prompt"),
     ],
 )
 def test_bad_fields_name_their_param(fields, param):
@@ -188,9 +185,10 @@ def test_stop_strings_truncate_and_hold_back(step):
 def test_response_bodies():
     usage = usage_body(3, 4, {"arm": "exact"})
     assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "speculative": {"arm": "exact"}}
-    body = completion_body("cmpl-1", "m", "hi", "stop", usage, chat=True, created=1)
+    body = completion_body("cmpl-1", "m", [choice_body(0, "hi", "stop", chat=True)], usage, chat=True, created=1)
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "hi"
-    body = completion_body("cmpl-1", "m", "hi", "length", usage, chat=False, created=1)
+    body = completion_body("cmpl-1", "m", [choice_body(0, "hi", "length", chat=False)], usage, chat=False,
+                           created=1)
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "hi"
     first = chunk_body("c", "m", 1, chat=True, role=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -227,18 +225,12 @@ def test_every_field_of_the_sdk_schema_is_declared():
 
 
 CHAT_REFUSED = [  # (field, a value that asks for something)
-    ("logprobs", True), ("top_logprobs", 5), ("frequency_penalty", 0.5), ("presence_penalty", -1),
-    ("logit_bias", {"42": 100}), ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("moderation", {"model": "omni"}), ("reasoning_effort", "high"),
-    ("verbosity", "low"), ("web_search_options", {}), ("store", True), ("n", 2),
-    ("repetition_penalty", 1.2), ("min_tokens", 4),
+    ("verbosity", "low"), ("web_search_options", {}), ("store", True),
 ]
-COMPLETION_REFUSED = [
-    ("logprobs", 0), ("logprobs", 5), ("best_of", 3), ("suffix", " end"), ("echo", True), ("n", 3),
-    ("frequency_penalty", 2), ("presence_penalty", 0.1), ("logit_bias", {"7": -100}), ("min_tokens", 1),
-]
+COMPLETION_REFUSED = [("best_of", 3), ("suffix", " end")]
 CHAT_NEUTRAL = {
     "logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
     "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [],
