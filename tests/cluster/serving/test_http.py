@@ -198,7 +198,17 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 129}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 65}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"49152": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_tokens": 9, "max_tokens": 8}, 400, "min_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     400, "response_format.json_schema.schema"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [49152]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", ["not", "an", "object"], 400, None),
@@ -315,3 +325,49 @@ def test_default_local_config_serves_smollm2(server):
     finally:
         serve.delete(config.name)
         _kill_app_actors(config.name)
+
+
+def test_n_choices_and_prompt_lists_with_echo(client):
+    """n choices per prompt, numbered prompt-major; greedy choices equal the one-choice answer; a seeded choice j
+    equals a one-choice request with seed + j; usage counts each prompt once and every choice's tokens."""
+    one = client.completions.create(model=MODEL, prompt="one two three", max_tokens=6, temperature=0,
+                                    extra_headers={ARM: "exact"})
+    many = client.completions.create(model=MODEL, prompt=["one two three", "four five"], n=2, max_tokens=6,
+                                     temperature=0, extra_headers={ARM: "exact"})
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == one.choices[0].text
+    second = client.completions.create(model=MODEL, prompt="four five", max_tokens=6, temperature=0,
+                                       extra_headers={ARM: "exact"})
+    assert many.choices[2].text == many.choices[3].text == second.choices[0].text
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens + second.usage.prompt_tokens
+    assert many.usage.completion_tokens == 2 * (one.usage.completion_tokens + second.usage.completion_tokens)
+    spec = many.usage.model_extra["speculative"]
+    assert len(spec["choices"]) == 4 and spec["rounds"] == sum(c["rounds"] for c in spec["choices"])
+
+    seeded = client.completions.create(model=MODEL, prompt="hello", n=2, max_tokens=8, temperature=1.0, seed=11)
+    for j in range(2):
+        alone = client.completions.create(model=MODEL, prompt="hello", max_tokens=8, temperature=1.0, seed=11 + j)
+        assert seeded.choices[j].text == alone.choices[0].text
+
+    echoed = client.completions.create(model=MODEL, prompt="one two three", max_tokens=6, temperature=0, echo=True,
+                                       extra_headers={ARM: "exact"})
+    assert echoed.choices[0].text == "one two three" + one.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt="one two three", max_tokens=6, temperature=0,
+                                            echo=True, stream=True, extra_headers={ARM: "exact"}))
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
+def test_streamed_choices_interleave_and_each_ends_once(client):
+    messages = [{"role": "user", "content": "Count."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=10, temperature=0,
+                                           extra_headers={ARM: "exact"})
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_headers={ARM: "exact"}))
+    for index in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[index].message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == [whole.choices[index].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert _wait_idle()["active_requests"] == []
