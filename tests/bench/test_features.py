@@ -1,0 +1,33 @@
+"""The features section's accounting (no server): cost against plain, speculation's speedup, the goals, the report."""
+
+from bench import features
+from bench.run import parse_args
+
+
+def _cells(plain: float, target_only: float, **variants: tuple[float, float]) -> dict:
+    rates = {"plain": (plain, target_only), **variants}
+    out = {}
+    for variant in features.VARIANTS:
+        spec, alone = rates.get(variant, (plain, target_only))
+        out[f"{variant}/speculative"] = {"tokens": 100, "wall_s": 100 / spec, "tokens_per_s": spec}
+        out[f"{variant}/target_only"] = {"tokens": 100, "wall_s": 100 / alone, "tokens_per_s": alone}
+    return out
+
+
+def test_cost_speedup_and_goals():
+    summary = features.summarize({"1": _cells(20.0, 10.0, logprobs=(19.5, 9.9), penalties=(17.0, 10.0),
+                                              json_schema=(19.8, 11.0))})["1"]
+    assert summary["plain"]["cost"] == 0.0 and summary["plain"]["speedup"] == 2.0
+    assert abs(summary["logprobs"]["cost"] - 0.025) < 1e-9 and summary["logprobs"]["cost_met"]
+    assert not summary["penalties"]["cost_met"]  # 15% slower
+    assert summary["logprobs"]["speedup_held"] and not summary["json_schema"]["speedup_held"]  # 1.8 < 0.95 × 2
+    results = {"meta": {"command": "specserve bench --section features --quick", "started": "now", "elapsed_s": 1},
+               "engines": [{"engine": "native", "config": "configs/local.yaml", "summary": {"1": summary}}],
+               "notes": []}
+    text = features.report_markdown(results)
+    assert "| 1 | penalties | 17.0 | +15.0% | 1.70 | missed: cost, speedup |" in text
+    assert "| 1 | logprobs | 19.5 | +2.5% | 1.97 | met |" in text
+
+
+def test_the_cli_knows_the_section():
+    assert parse_args(["--section", "features", "--quick"]).section == "features"
