@@ -118,17 +118,32 @@ def make_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup, policy: 
                       torch_threads=torch_threads, on_ray=on_ray)
 
 
-def replica_resources(target: TargetSetup, coordinator_cpus: float) -> dict[str, float]:
+def replica_resources(target: TargetSetup, coordinator_cpus: float,
+                      coordinator_custom: dict[str, float] | None = None) -> dict[str, Any]:
     """Ray resources of one unit's Serve replica: the coordinator's, plus the target's where it runs in the
     replica (vLLM's engine core and its `tp_size` workers are the replica's subprocesses: every shard's; on vLLM's
-    Ray executor the workers reserve theirs in the replica's placement group, `replica_placement`)."""
+    Ray executor the workers reserve theirs in the replica's placement group, `replica_placement`). Custom
+    resources (`coordinator_custom`, the shards' `custom`) add up the same way."""
     if ray_executor(target):
-        return {"num_cpus": coordinator_cpus}
+        return _with_custom({"num_cpus": coordinator_cpus}, coordinator_custom)
     shards = target.tp_size if target.engine == "vllm" else (1 if target.in_replica else 0)
     options = {"num_cpus": coordinator_cpus + target.resources.get("num_cpus", 1.0) * shards}
     if shards and target.resources.get("num_gpus"):
         options["num_gpus"] = target.resources["num_gpus"] * shards
-    return options
+    shard_custom = {k: v * shards for k, v in (target.resources.get("custom") or {}).items()} if shards else {}
+    return _with_custom(options, _add(coordinator_custom or {}, shard_custom))
+
+
+def _add(*amounts: dict[str, float]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for amount in amounts:
+        for key, value in amount.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def _with_custom(options: dict[str, Any], custom: dict[str, float] | None) -> dict[str, Any]:
+    return {**options, "resources": dict(custom)} if custom else options
 
 
 def ray_executor(target: TargetSetup) -> bool:
@@ -136,7 +151,8 @@ def ray_executor(target: TargetSetup) -> bool:
     return target.engine == "vllm" and target.engine_kwargs.get("distributed_executor_backend") == "ray"
 
 
-def replica_placement(target: TargetSetup, coordinator_cpus: float) -> dict[str, Any]:
+def replica_placement(target: TargetSetup, coordinator_cpus: float,
+                      coordinator_custom: dict[str, float] | None = None) -> dict[str, Any]:
     """On vLLM's Ray executor, the replica's placement group, as Ray Serve LLM places vLLM: the first bundle hosts
     the replica, one bundle per tensor-parallel worker follows it (`target.resources`), and vLLM's workers are Ray
     actors in those; Serve removes it with the replica. Other units need none ({})."""
@@ -145,6 +161,8 @@ def replica_placement(target: TargetSetup, coordinator_cpus: float) -> dict[str,
     worker = {"CPU": target.resources.get("num_cpus", 1.0) or 1.0}  # the CPU platform counts CPUs as its device
     if target.resources.get("num_gpus"):
         worker["GPU"] = target.resources["num_gpus"]
+    worker.update(target.resources.get("custom") or {})
     replica = {"CPU": coordinator_cpus or 0.001}  # a bundle cannot be empty: a replica reserving no CPU gets a sliver
+    replica.update(coordinator_custom or {})  # the replica's own resources must fit its bundle
     return {"placement_group_bundles": [replica, *(dict(worker) for _ in range(target.tp_size))],
             "placement_group_strategy": target.placement_strategy}

@@ -50,6 +50,7 @@ def start_drafter_actor(setup: DrafterSetup, max_slots: int, max_seq_len: int | 
     actor = ray.remote(DrafterHost).options(
         num_cpus=resources.get("num_cpus", 0.5), num_gpus=resources.get("num_gpus", 0),
         memory=int(memory_gb * 2**30) if memory_gb else None, max_restarts=-1, max_task_retries=0, name=name,
+        resources=resources.get("custom") or None,  # the drafter's nodes (cluster.config.placement)
     )
     return actor.remote(setup, max_slots, max_seq_len, torch_threads)
 

@@ -13,16 +13,17 @@ from typing import Any
 import ray
 
 from actors.policy import PolicyCore, UnitPolicy, UnitReport
+from actors.remote.placement import on_head
 
 NAMESPACE = "specserve"
 
 
 def get_or_create_policy_actor(name: str, **settings: Any):
-    """The app's policy actor (named, detached), created on first use by whichever unit starts first."""
+    """The app's policy actor (named, detached, on the head node), created on first use by whichever unit starts
+    first."""
     actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1)(PolicyCore)
-    return actor_cls.options(name=name, get_if_exists=True, lifetime="detached", namespace=NAMESPACE).remote(
-        **settings
-    )
+    return actor_cls.options(name=name, get_if_exists=True, lifetime="detached", namespace=NAMESPACE,
+                             resources=on_head()).remote(**settings)
 
 
 class ActorLink:

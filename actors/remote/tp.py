@@ -118,8 +118,9 @@ class TargetGroup:
     returns rank 0's result.
 
     On GPU (`spec.device` = "cuda") each shard takes one GPU, all in one STRICT_PACK placement group (one node,
-    NVLink); on CPU each takes `num_cpus` in a PACK placement group. `resources` (one shard's bundle) and
-    `strategy` override those.
+    NVLink); on CPU each takes `num_cpus` in a PACK placement group. `resources` (one shard's bundle, custom
+    resources included) and `strategy` override those. A STRICT_PACK group goes to the caller's node (the unit's
+    replica) when that node has room, elsewhere when not.
     """
 
     def __init__(
@@ -142,7 +143,10 @@ class TargetGroup:
     # --- lifecycle --------------------------------------------------------------------------------------------
     def _start(self) -> None:
         bundle = self.bundle
-        self.placement_group = placement_group([bundle] * self.spec.tp_size, strategy=self.strategy)
+        # STRICT_PACK: on this process's node when it has room (the pod sized for the coordinator and its shards)
+        near = ray.get_runtime_context().get_node_id() if self.strategy == "STRICT_PACK" else None
+        self.placement_group = placement_group([bundle] * self.spec.tp_size, strategy=self.strategy,
+                                               _soft_target_node_id=near)
         ray.get(self.placement_group.ready(), timeout=self.ready_timeout_s)
         actor = ray.remote(TargetShard)
         self.shards = [

@@ -29,10 +29,11 @@ def remote_drafter(target, drafter: DrafterSetup, *, max_seq_len: int, torch_thr
 
 
 def _bundle(resources: dict) -> dict | None:
-    """One shard's placement-group bundle from config resources {num_cpus, num_gpus}."""
+    """One shard's placement-group bundle from config resources {num_cpus, num_gpus, custom}."""
     if not resources:
         return None
     bundle = {"CPU": float(resources.get("num_cpus", 0.5))}
     if resources.get("num_gpus"):
         bundle["GPU"] = float(resources["num_gpus"])
+    bundle.update(resources.get("custom") or {})  # the nodes made for this unit's target (cluster.config.placement)
     return bundle  # memory_gb sizes Kubernetes pods; Ray does not schedule shards by it

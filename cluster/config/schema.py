@@ -16,6 +16,7 @@ from cluster.config.engines import (DRAFTER_ENGINE_DESCRIPTION, DRAFTER_KWARGS_D
                                     ENGINE_KWARGS_DESCRIPTION, METHOD_DESCRIPTION, Engine, VllmMethod,
                                     check_arms_on_engine, check_drafter_engine, check_drafter_kwargs,
                                     check_engine_kwargs)
+from cluster.config.placement import CUSTOM_DESCRIPTION, CustomResources
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
@@ -35,9 +36,8 @@ class ActorResources(_Strict):
 
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs reserved by the actor.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs reserved by the actor (fractions share a GPU).")
-    memory_gb: float | None = Field(
-        None, gt=0, description="Host memory reserved by the actor in GiB; None reserves nothing."
-    )
+    memory_gb: float | None = Field(None, gt=0, description="Host memory reserved by the actor in GiB; None: none.")
+    custom: CustomResources = Field(default_factory=dict, description=CUSTOM_DESCRIPTION)
 
 
 class ModelSpec(_Strict):
@@ -269,6 +269,7 @@ class UnitSettings(_Strict):
     """The decoder unit's coordinator replica."""
 
     num_cpus: float = Field(1.0, ge=0, description="Ray CPUs of the coordinator (Serve replica) of one unit.")
+    custom: CustomResources = Field(default_factory=dict, description=CUSTOM_DESCRIPTION)
     torch_threads: int | None = Field(
         None, ge=1, le=256, description="torch.set_num_threads in each actor; None keeps torch's default."
     )

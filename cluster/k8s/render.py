@@ -10,6 +10,7 @@ KubeRay's CRD; `cluster.k8s.monitoring` renders the PodMonitor.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -184,27 +185,41 @@ def _head_group(cfg: SpecServeConfig, image: str, labels: dict[str, str]) -> dic
 
 
 def _worker_groups(cfg: SpecServeConfig, image: str, labels: dict[str, str]) -> list[dict[str, Any]]:
-    """One pod per unit in each group: the target TP group (+ coordinator, + a CPU drafter), a GPU drafter."""
+    """One pod per unit in each group: the target TP group (+ coordinator, + a drafter kept with it), and a model
+    drafter apart when it runs on a GPU or reserves custom resources the unit's other actors do not. Each group
+    advertises the custom resources its actors reserve (`cluster.config.placement`), summed like its CPUs."""
     target, drafter = cfg.target, cfg.drafter
     tp = target.tensor_parallel_size
-    drafter_apart = drafter.kind == "model" and drafter.device == "cuda"
+    unit_custom = _add_custom(*[target.resources.custom] * tp, cfg.unit.custom)
+    own = set(drafter.resources.custom) - set(unit_custom)  # resources only the drafter's nodes advertise
+    drafter_apart = drafter.kind == "model" and (drafter.device == "cuda" or bool(own))
     cpus = tp * target.resources.num_cpus + cfg.unit.num_cpus
     memory = tp * _memory_gb(target.resources.memory_gb)
     if drafter.kind != "none" and not drafter_apart:
         cpus += drafter.resources.num_cpus
         memory += _memory_gb(drafter.resources.memory_gb) if drafter.kind == "model" else 0.0
+        unit_custom = _add_custom(unit_custom, drafter.resources.custom if drafter.kind == "model" else {})
     cpus = max(cpus, cfg.unit.torch_threads or 1)
     groups = [_worker_group("target" if is_gpu(cfg) else "unit", cfg, image, labels, cpus, memory,
-                            gpus=math.ceil(tp * target.resources.num_gpus) if target.device == "cuda" else 0)]
+                            gpus=math.ceil(tp * target.resources.num_gpus) if target.device == "cuda" else 0,
+                            custom=unit_custom)]
     if drafter_apart:
         groups.append(_worker_group("drafter", cfg, image, labels, drafter.resources.num_cpus,
                                     _memory_gb(drafter.resources.memory_gb),
-                                    gpus=math.ceil(drafter.resources.num_gpus)))
+                                    gpus=math.ceil(drafter.resources.num_gpus), custom=drafter.resources.custom))
     return groups
 
 
+def _add_custom(*amounts: dict[str, float]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for amount in amounts:
+        for name, value in amount.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
+
+
 def _worker_group(group: str, cfg: SpecServeConfig, image: str, labels: dict[str, str], cpus: float,
-                  memory_gb: float, gpus: int) -> dict[str, Any]:
+                  memory_gb: float, gpus: int, custom: dict[str, float]) -> dict[str, Any]:
     scaling = cfg.autoscaling
     low, high = (scaling.min_replicas, scaling.max_replicas) if scaling.enabled else (
         scaling.fixed_replicas, scaling.fixed_replicas)
@@ -224,6 +239,8 @@ def _worker_group(group: str, cfg: SpecServeConfig, image: str, labels: dict[str
     params = {"num-cpus": cpu}
     if gpus:
         params["num-gpus"] = str(gpus)
+    if custom:
+        params["resources"] = ray_start_resources(custom)
     return {
         "groupName": group,
         "replicas": scaling.fixed_replicas,
@@ -232,6 +249,12 @@ def _worker_group(group: str, cfg: SpecServeConfig, image: str, labels: dict[str
         "rayStartParams": params,
         "template": {"metadata": {"labels": {**labels, "specserve/group": group}}, "spec": spec},
     }
+
+
+def ray_start_resources(custom: dict[str, float]) -> str:
+    """`ray start --resources` as KubeRay's rayStartParams takes it: the JSON object, quoted, inner quotes escaped."""
+    amounts = {name: int(value) if float(value).is_integer() else value for name, value in sorted(custom.items())}
+    return '"' + json.dumps(amounts).replace('"', '\\"') + '"'
 
 
 def _resources(cpu: str, memory: str, gpus: int = 0, request_cpu: str | None = None,

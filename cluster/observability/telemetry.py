@@ -328,13 +328,15 @@ def hub_name(app_name: str) -> str:
 
 def get_or_create_hub(app_name: str, settings: TelemetrySettings, arms: Sequence[str] = ()):
     """The app's hub actor, created on first call: named `specserve-telemetry-<app>` in namespace
-    `specserve`, detached (outlives the driver; `kill_hub` removes it), num_cpus=0."""
+    `specserve`, detached (outlives the driver; `kill_hub` removes it), num_cpus=0, on the head node."""
     import ray
+
+    from actors.remote.placement import on_head
 
     return (
         ray.remote(TelemetryHub)
         .options(name=hub_name(app_name), namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached",
-                 num_cpus=0)
+                 num_cpus=0, resources=on_head())
         .remote(settings, list(arms))
     )
 

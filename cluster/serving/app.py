@@ -7,6 +7,11 @@ It wires the OpenAI ingress to the decoder deployment, whose every replica is on
 decoder's concurrency (`serving.max_ongoing_requests` per unit, `serving.max_queued_requests` waiting per
 caller before a 503) and its replicas (`autoscaling`). Nothing is created at build time: each replica builds
 its unit, and the policy actor and telemetry hub are made on first use by whichever replica comes first.
+
+Placement on a multi-node cluster: the ingress, the policy actor and the telemetry hub on the head
+(`actors.remote.placement`); a unit's replica and target shards where `unit.custom` and
+`target.resources.custom` are advertised, a model drafter where `drafter.resources.custom` is; Serve spreads
+the replicas over the nodes that fit them.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def replica_resources(config: SpecServeConfig) -> dict[str, float]:
     from actors.unit import replica_resources as unit_resources
     from cluster.serving.decoder import unit_setup
 
-    return unit_resources(unit_setup(config)["target"], config.unit.num_cpus)
+    return unit_resources(unit_setup(config)["target"], config.unit.num_cpus, config.unit.custom)
 
 
 def replica_placement(config: SpecServeConfig) -> dict[str, Any]:
@@ -73,19 +78,23 @@ def replica_placement(config: SpecServeConfig) -> dict[str, Any]:
     from actors.unit import replica_placement as unit_placement
     from cluster.serving.decoder import unit_setup
 
-    return unit_placement(unit_setup(config)["target"], config.unit.num_cpus)
+    return unit_placement(unit_setup(config)["target"], config.unit.num_cpus, config.unit.custom)
 
 
 def ingress_options(config: SpecServeConfig) -> dict[str, Any]:
     """The ingress only parses, tokenizes and relays: no reserved CPU, and room for every request the units
-    can hold or queue, so overload surfaces as the decoder's 503 rather than as a wait at the proxy."""
+    can hold or queue, so overload surfaces as the decoder's 503 rather than as a wait at the proxy. It runs on
+    the head, beside the proxy (`proxy_location: HeadOnly`), so losing a worker node never takes a stream's
+    relay with it: the stream ends as a clean 503 from its unit instead."""
+    from actors.remote.placement import on_head
+
     capacity = (
         config.serving.max_ongoing_requests + config.serving.max_queued_requests
     ) * config.autoscaling.max_replicas
     return dict(
         name=INGRESS_DEPLOYMENT,
         max_ongoing_requests=2 * capacity + 16,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": on_head()},
     )
 
 
