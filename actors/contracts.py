@@ -19,6 +19,7 @@ from actors.sampling import GREEDY, SamplingSpec
 from policies import PAD_TOKEN_ID, Verdict
 from policies.asd import ASDConfig
 from policies.asd_sampled import SampledScores
+from policies.penalties import BlockLogprobs, Penalties
 from policies.scores import TargetScores
 
 NO_CROP = -1  # TargetBatch.crops[b]: keep every cached position
@@ -119,6 +120,16 @@ class DrafterBackend(Protocol):
 
 # --- target --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class RowRules:
+    """A row's rules on the target's logits (`policies.penalties`) and the context they read: the request's
+    prompt and its output before this round's block."""
+
+    penalties: Penalties
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
 class TargetBatch:
     """Every active row of one round. Row b first crops its KV cache to `crops[b]` (rolling back last round's
     rejected drafts), then feeds `tokens[b]`: the pending token plus the row's drafts, or the prompt."""
@@ -134,6 +145,8 @@ class TargetBatch:
     # row -> its arm's ASDConfig, for sampled rows an ASD arm verifies with the relaxed rule
     # (`policies.asd_sampled`): the target returns their SampledScores instead of sampling them in place
     relaxed_sampled: dict[int, ASDConfig] = field(default_factory=dict)
+    rules: dict[int, RowRules] = field(default_factory=dict)  # row -> its rules, for rows that have any
+    logprobs: dict[int, int] = field(default_factory=dict)  # row -> top n, for rows that ask for logprobs
 
     def num_logits(self) -> list[int]:
         """Logit rows each row needs: pending + drafts, and the last position of a prompt chunk."""
@@ -149,6 +162,7 @@ class TargetResult:
     forward_s: float = 0.0  # model forward time inside the target
     sampled_scores: dict[int, SampledScores] = field(default_factory=dict)  # row -> [1, Kmax] on the CPU
     # (the rows of `TargetBatch.relaxed_sampled`; their decision and charge happen in the policy)
+    logprobs: dict[int, BlockLogprobs] = field(default_factory=dict)  # row -> raw logprobs (`TargetBatch.logprobs`)
 
 
 def split_result(result: TargetResult, rows: int) -> tuple[TargetResult, TargetResult]:
@@ -161,7 +175,7 @@ def split_result(result: TargetResult, rows: int) -> tuple[TargetResult, TargetR
         s = result.scores
         scores = TargetScores(s.argmax_ids[lo:hi], s.argmax_logits[lo:hi], s.draft_logits[lo:hi])
         return TargetResult(scores, pick(result.sampled_tokens), pick(result.sampled_accepted), result.forward_s,
-                            pick(result.sampled_scores))
+                            pick(result.sampled_scores), pick(result.logprobs))
 
     return part(0, rows), part(rows, None)
 

@@ -20,17 +20,17 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
-
 from actors.contracts import (DraftBatch, DraftRequest, DrafterBackend, Engine, RoundReport, TargetBackend, TargetBatch,
                               TargetResult, TargetUnavailable, split_result)
 from actors.prefill import PrefillChunk, prefill_batch
 from actors.policy import UnitPolicy
 from actors.requests import (EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams,
                              collect)
-from actors.scheduler import RowOutcome, Scheduler, SequenceState
+from actors.scheduler import RowOutcome, Scheduler, SequenceState, round_rules, trim_drafts
 from actors.stats import LoopObserver, NullObserver, RoundRecord, RowRecord
 from actors.timing import END_DEFERRED
-from actors.verification import asd_batches, asd_outcomes, exact_outcomes, relaxed_sampled
+from actors.verification import (asd_batches, asd_outcomes, attach_logprobs, exact_outcomes, first_token,
+                                  relaxed_sampled)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Coordinator:
         self.observer = observer or NullObserver()
         self.clock = clock
         self.scheduler = Scheduler(max_batch_size=max_batch_size, max_seq_len=max_seq_len, vocab_size=vocab_size,
-                                   clock=clock, prefill_chunk_tokens=prefill_chunk_tokens)
+                                   clock=clock, prefill_chunk_tokens=prefill_chunk_tokens, eos=self.eos)
         self._drafter_recovery: asyncio.Future | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -231,9 +231,8 @@ class Coordinator:
         self.scheduler.set_plan(keys, self.policy.plan(keys, len(self.scheduler.active)))
         now, now_t = self.clock(), time.perf_counter()
         for b, seq in ((b, c.seq) for b, c in enumerate(chunks) if c.last and not c.seq.output):
-            token = result.sampled_tokens[b][0] if b in result.sampled_tokens else int(result.scores.argmax_ids[b, 0])
             seq.book.first_token_s, seq.book.prefilled_t = now, now_t
-            await self._commit(seq, RowOutcome([token], accepted=0), drafted=0, is_round=False)
+            await self._commit(seq, first_token(seq, result, b), drafted=0, is_round=False)
 
     async def _round(self, chunks: list[PrefillChunk]) -> None:
         started, t0 = self.clock(), time.perf_counter()
@@ -249,7 +248,7 @@ class Coordinator:
             tokens=[[s.tokens[-1]] + draft.draft_ids[b, : lens[b]].tolist() for b, s in enumerate(rows)],
             draft_ids=draft.draft_ids, draft_lens=draft.draft_lens,
             sampling=[s.request.params.spec() for s in rows], draft_probs=draft.draft_probs,
-            relaxed_sampled=relaxed_sampled(rows),
+            relaxed_sampled=relaxed_sampled(rows), **round_rules(rows),
         )
         if chunks:  # prompt chunks ride in the same forward, after the decode rows
             batch = prefill_batch(chunks, batch)
@@ -270,6 +269,7 @@ class Coordinator:
         for members, asd in asd_batches(rows, batch, result):  # 4. ASD rows, against the unit's ledger leases
             for b, outcome in zip(members, asd_outcomes(self.policy.verify_asd(asd))):
                 outcomes[b] = outcome
+        attach_logprobs(rows, outcomes, result)
         t_plan = time.perf_counter()
         keys = [s.key() for s in rows]
         self.scheduler.set_plan(keys, self.policy.plan(keys, len(rows)))
@@ -311,7 +311,7 @@ class Coordinator:
             for i, _ in asks:
                 rows[i].book.degraded = True
             return DraftBatch.empty(len(rows)), time.perf_counter() - start
-        return sub.scatter([i for i, _ in asks], len(rows)), time.perf_counter() - start
+        return trim_drafts(sub.scatter([i for i, _ in asks], len(rows)), rows), time.perf_counter() - start
 
     def _drafter_ready(self) -> bool:
         """False while a failed drafter is being restarted; rounds meanwhile decode target-only."""
@@ -337,7 +337,7 @@ class Coordinator:
                                  is_round=is_round)
         if out:
             seq.book.last_token_t = time.perf_counter()
-            seq.queue.put_nowait(GenerationChunk(out))
+            seq.queue.put_nowait(GenerationChunk(out, logprobs=outcome.logprobs[: len(out)] if outcome.logprobs else None))
         if reason is not None:
             await self._finish(seq, reason)
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from actors.contracts import NO_CROP, TargetBatch
+from actors.contracts import NO_CROP, RowRules, TargetBatch
 from actors.requests import GenerationRequest
 from actors.sampling import GREEDY
 from policies import PAD_TOKEN_ID
@@ -35,6 +35,8 @@ class Prefilling(Protocol):
 
     @property
     def rid(self) -> str: ...
+
+    def rules(self) -> RowRules | None: ...  # the rules on the target's logits for the next token
 
 
 @dataclass(frozen=True)
@@ -68,14 +70,19 @@ def prefill_batch(chunks: list[PrefillChunk], decode: TargetBatch | None = None)
     """The target step that feeds `chunks`: no crop, no drafts, the last position scored per chunk; with
     `decode`, that round's rows first and the chunks after them (`TargetBatch.prompt_rows`)."""
     n = len(chunks)
-    sampling = [c.seq.request.params.spec() if c.last and not c.seq.output else GREEDY for c in chunks]
+    first = [c.last and not c.seq.output for c in chunks]  # chunks whose logits give the first token
+    sampling = [c.seq.request.params.spec() if f else GREEDY for c, f in zip(chunks, first)]
     tokens = [c.seq.tokens[c.start : c.end] for c in chunks]
+    at = 0 if decode is None else len(decode.seq_ids)  # row of the first chunk
+    rules = {at + j: r for j, (c, f) in enumerate(zip(chunks, first)) if f and (r := c.seq.rules()) is not None}
+    logprobs = {at + j: c.seq.request.params.logprobs for j, (c, f) in enumerate(zip(chunks, first))
+                if f and c.seq.request.params.logprobs is not None}
     if decode is None:
         return TargetBatch(
             seq_ids=[c.seq.rid for c in chunks], crops=[NO_CROP] * n, tokens=tokens,
             draft_ids=torch.full((n, 1), PAD_TOKEN_ID, dtype=torch.long),  # [n, 1]
             draft_lens=torch.zeros(n, dtype=torch.long),  # [n]
-            sampling=sampling, prompt_rows=n,
+            sampling=sampling, prompt_rows=n, rules=rules, logprobs=logprobs,
         )
     width = decode.draft_ids.shape[1]
     probs = decode.draft_probs
@@ -87,4 +94,5 @@ def prefill_batch(chunks: list[PrefillChunk], decode: TargetBatch | None = None)
         draft_ids=torch.cat([decode.draft_ids, torch.full((n, width), PAD_TOKEN_ID, dtype=torch.long)]),
         draft_lens=torch.cat([decode.draft_lens, torch.zeros(n, dtype=torch.long)]),  # [B + n]
         sampling=decode.sampling + sampling, draft_probs=probs, prompt_rows=n,
+        rules={**decode.rules, **rules}, logprobs={**decode.logprobs, **logprobs},
     )

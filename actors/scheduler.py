@@ -3,19 +3,26 @@
 The `Scheduler` owns the waiting queue, the sequences prefilling (a KV slot each, their prompt entering the
 cache a chunk per step, `actors.prefill`), the active batch (prefilling + active ≤ `max_batch_size`), the
 aborts asked for since the last round, and the γ plan (the policy's γ per request, applied next round).
+It checks a request against the engine at enqueue (vocabulary, context), and holds each sequence's rules
+(`policies.penalties.Penalties`, None when the request has none) for the target's rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from actors.bookkeeping import RequestBook
-from actors.contracts import NO_CROP, RowKey
+from actors.contracts import NO_CROP, DraftBatch, RowKey, RowRules
 from actors.prefill import PrefillChunk, plan_chunks
-from actors.requests import GenerationRequest
+from actors.requests import GenerationRequest, SamplingParams, TokenLogprob
 from actors.stats import RequestRecord
+from policies import PAD_TOKEN_ID
+from policies.penalties import Penalties, allowed_drafts
 
 
 @dataclass
@@ -26,6 +33,7 @@ class RowOutcome:
     accepted: int  # draft tokens kept
     relaxed: int = 0  # kept mismatches (ASD)
     regret: float = 0.0  # regret charged (ASD)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 @dataclass
@@ -41,6 +49,7 @@ class SequenceState:
     output: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in the target's KV cache (chunked prefill)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    penalties: Penalties | None = None  # the request's rules on the target's logits, None without any
 
     @property
     def rid(self) -> str:
@@ -61,6 +70,12 @@ class SequenceState:
 
     def key(self) -> RowKey:
         return RowKey(self.rid, self.request.arm.name, self.book.seeded)
+
+    def rules(self) -> RowRules | None:
+        """The rules the target applies to this row's next block (a copy of the output: it crosses actors)."""
+        if self.penalties is None:
+            return None
+        return RowRules(self.penalties, self.request.prompt_ids, tuple(self.output))
 
     def draft_limit(self, max_seq_len: int) -> int:
         return self.book.draft_limit(output_len=len(self.output), context_len=len(self.tokens),
@@ -97,7 +112,7 @@ class Scheduler:
     """Waiting queue, active batch, aborts and the γ plan of one unit."""
 
     def __init__(self, *, max_batch_size: int, max_seq_len: int, vocab_size: int | None, clock,
-                 prefill_chunk_tokens: int | None = None):
+                 prefill_chunk_tokens: int | None = None, eos: Collection[int] = ()):
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens: must be >= 1 or None, got {prefill_chunk_tokens}")
         self.max_batch_size = max_batch_size
@@ -105,6 +120,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.clock = clock
+        self.eos = frozenset(eos)
         self.waiting: list[SequenceState] = []
         self.prefilling: list[SequenceState] = []
         self.active: list[SequenceState] = []
@@ -123,9 +139,21 @@ class Scheduler:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_seq_len {self.max_seq_len}")
         if self.find(request.request_id) is not None:
             raise ValueError(f"request_id {request.request_id!r} is already running")
-        seq = SequenceState(request, asyncio.Queue(), list(prompt), RequestBook(request, self.clock()))
+        self._check_params(request.params)
+        seq = SequenceState(request, asyncio.Queue(), list(prompt), RequestBook(request, self.clock()),
+                            penalties=penalties_for(request.params, self.eos))
         self.waiting.append(seq)
         return seq
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What only the engine can check: token ids within its vocabulary; ValueError naming the field."""
+        if params.structured is not None:
+            raise ValueError("structured: the native engine does not support structured output yet")
+        vocab = self.vocab_size
+        if vocab is not None:
+            for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+                if any(t >= vocab for t in ids):
+                    raise ValueError(f"{name}: token ids must lie in [0, {vocab}), got {max(ids)}")
 
     def find(self, request_id: str) -> SequenceState | None:
         return next((s for s in self.waiting + self.running() if s.rid == request_id), None)
@@ -203,3 +231,43 @@ class Scheduler:
             width = max(gammas, default=0)
             gammas = [min(width, cap) for cap in limits]
         return gammas
+
+
+def penalties_for(params: SamplingParams, eos: Collection[int]) -> Penalties | None:
+    """A request's rules (`policies.penalties`): its stop ids are stop_token_ids and, unless it ignores EOS,
+    the EOS ids; None when no rule changes a logit."""
+    if not params.penalised:
+        return None
+    stops = (*params.stop_token_ids, *(() if params.ignore_eos else eos))
+    rules = Penalties.of(frequency=params.frequency_penalty, presence=params.presence_penalty,
+                         repetition=params.repetition_penalty, logit_bias=params.logit_bias,
+                         min_tokens=params.min_tokens, stop_ids=stops)
+    return rules if rules.active else None
+
+
+def round_rules(rows: list[SequenceState]) -> dict:
+    """A round's `TargetBatch` fields for its rows' rules and logprobs (rows without either cost nothing)."""
+    rules = {b: s.rules() for b, s in enumerate(rows) if s.penalties is not None}
+    logprobs = {b: s.request.params.logprobs for b, s in enumerate(rows) if s.request.params.logprobs is not None}
+    return {"rules": rules, "logprobs": logprobs}
+
+
+def trim_drafts(draft: DraftBatch, rows: list[SequenceState]) -> DraftBatch:
+    """Each row's drafts cut before the first token its rules ban at its position (`allowed_drafts`): the
+    target would reject it, and every draft after it."""
+    lens = draft.draft_lens.tolist()
+    cuts = {}
+    for b, seq in enumerate(rows):
+        if seq.penalties is not None and lens[b]:
+            keep = allowed_drafts(draft.draft_ids[b, : lens[b]].tolist(), seq.penalties, len(seq.output))
+            if keep < lens[b]:
+                cuts[b] = keep
+    if not cuts:
+        return draft
+    ids, new_lens = draft.draft_ids.clone(), draft.draft_lens.clone()  # [B, Kmax], [B]
+    for b, keep in cuts.items():
+        ids[b, keep:] = PAD_TOKEN_ID
+        new_lens[b] = keep
+    confidence = None if draft.confidence is None else draft.confidence * (
+        torch.arange(ids.shape[1]) < new_lens[:, None])  # [B, Kmax], 0 past a row's drafts
+    return replace(draft, draft_ids=ids, draft_lens=new_lens, confidence=confidence)

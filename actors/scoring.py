@@ -4,9 +4,13 @@
 speculative sampling (`verify_sampled`) for sampled rows, all in one batched call, each row drawing from its own
 generator on the device; `SampledScores` (`policies.asd_sampled.sampled_scores`) for relaxed sampled rows
 (`TargetBatch.relaxed_sampled`), one row at a time since each has its own ASD config (a host sync each; they are
-opt-in and rare). The round's inputs go to the device in one copy per dtype and the results come back in one
-(`actors.devices`), so a GPU target syncs with the host once per round; checks that read values run on the
-host inputs, or on the device as flags that travel back with the results.
+opt-in and rare). Rows with rules (`TargetBatch.rules`) are verified on their penalised logits
+(`policies.penalties.penalise_block`, position by position with the block's drafts before it); rows that ask
+for logprobs get the raw ones (`BlockLogprobs`) of every token they may emit, gathered once the round is
+decided (a second transfer, only in rounds that have such rows). The round's inputs go to the device in one
+copy per dtype and the results come back in one (`actors.devices`), so a GPU target syncs with the host once
+per round (twice with logprobs); checks that read values run on the host inputs, or on the device as flags
+that travel back with the results.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import torch
 from torch import Tensor
 
 from actors.contracts import TargetBatch, TargetResult
+from policies import PAD_TOKEN_ID
 from actors.devices import to_device, to_host
 from actors.sampling import SamplingSpec
 from policies.asd_sampled import SampledScores, sampled_scores
 from policies.exact import draw_uniforms, process_logits, verify_sampled
+from policies.penalties import BlockLogprobs, gather_candidates, penalise_block, raw_logprobs
 from policies.scores import TargetScores, compact_scores
 from policies.verdict import check_draft, check_vocab_range, positions
 
@@ -38,6 +44,9 @@ def score_round(logits: Tensor, batch: TargetBatch, generator_for: GeneratorFor,
     if logits.shape[1] < k + 1:  # positions no row drafted: never read, padded for the block shape
         logits = torch.nn.functional.pad(logits, (0, 0, 0, k + 1 - logits.shape[1]))
     rows = logits[:, : k + 1]  # [B, K+1, V]
+    raw = _raw(rows, batch)  # before any rule
+    if batch.rules:
+        rows = _penalised(rows, batch, lens)
     sampled = [b for b, spec in enumerate(batch.sampling) if not spec.greedy and b not in batch.relaxed_sampled]
     specs = [batch.sampling[b] for b in sampled]
     vocab = logits.shape[-1]
@@ -76,12 +85,52 @@ def score_round(logits: Tensor, batch: TargetBatch, generator_for: GeneratorFor,
         raise ValueError("draft_probs must be finite and non-negative, and each row must sum to 1")
     tokens: dict[int, list[int]] = {}
     accepted: dict[int, int] = {}
+    drawn: dict[int, list[int]] = {}  # sampled row -> its token at every position (PAD past its last)
     if sampled:
         emitted, counts = back[3].tolist(), back[4].tolist()
         for j, b in enumerate(sampled):
-            tokens[b], accepted[b] = emitted[j][: counts[j] + 1], counts[j]
+            tokens[b], accepted[b], drawn[b] = emitted[j][: counts[j] + 1], counts[j], emitted[j]
     relaxed = {b: _relaxed_row(rows, batch, b, generator_for) for b in batch.relaxed_sampled}
-    return TargetResult(TargetScores(*back[:3]), tokens, accepted, forward_s, relaxed)
+    for b, s in relaxed.items():  # a relaxed row emits a recovered token before its block's end, else its bonus
+        drawn[b] = s.recovered[0].tolist() + [PAD_TOKEN_ID]
+        drawn[b][int(lens[b])] = int(s.bonus[0])
+    logprobs = {} if raw is None else _logprobs(raw, batch, back[0], drawn)
+    return TargetResult(TargetScores(*back[:3]), tokens, accepted, forward_s, relaxed, logprobs)
+
+
+def _raw(rows: Tensor, batch: TargetBatch) -> tuple[list[int], Tensor, Tensor, Tensor] | None:
+    """The rows asking for logprobs, their raw logprobs [L, K+1, V] and top (ids, logprobs) [L, K+1, n]."""
+    if not batch.logprobs:
+        return None
+    asking = sorted(batch.logprobs)
+    index = torch.tensor(asking, device=rows.device)  # [L]
+    return asking, *raw_logprobs(rows[index], max(batch.logprobs.values()))
+
+
+def _penalised(rows: Tensor, batch: TargetBatch, lens: Tensor) -> Tensor:
+    """`rows` [B, K+1, V] with each ruled row's block penalised (a copy; the raw logits stay as they were)."""
+    out, device = rows.clone(), rows.device
+    for b, rule in batch.rules.items():
+        drafts = batch.draft_ids[b, : int(lens[b])]  # [k_b] host
+        ids = [torch.as_tensor(list(x), dtype=torch.long) for x in (rule.prompt_ids, rule.output_ids)]
+        prompt, output, drafts = (t.to(device) for t in (*ids, drafts))
+        out[b] = penalise_block(rows[b], rule.penalties, prompt, output, drafts).to(out.dtype)
+    return out
+
+
+def _logprobs(raw: tuple[list[int], Tensor, Tensor, Tensor], batch: TargetBatch, argmax_ids: Tensor,
+              drawn: dict[int, list[int]]) -> dict[int, BlockLogprobs]:
+    """Per row asking, the raw logprobs of every token it may emit at each position (its draft token, the
+    argmax of its (penalised) logits, the token it drew when it samples), and its top n, on the host."""
+    asking, logprobs, top_ids, top_lp = raw
+    width = logprobs.shape[1]  # K + 1
+    pad = torch.full((len(asking), 1), PAD_TOKEN_ID, dtype=torch.long)
+    index = torch.tensor(asking)
+    sampled = torch.tensor([drawn.get(b, [PAD_TOKEN_ID] * width) for b in asking], dtype=torch.long)  # [L, K+1]
+    candidates = torch.stack([torch.cat([batch.draft_ids[index, : width - 1], pad], dim=1), argmax_ids[index],
+                              sampled], dim=-1)  # [L, K+1, 3]
+    chosen, top_ids, top_lp = to_host([gather_candidates(logprobs, candidates.to(logprobs.device)), top_ids, top_lp])
+    return {b: BlockLogprobs(candidates[j], chosen[j], top_ids[j], top_lp[j]) for j, b in enumerate(asking)}
 
 
 def _relaxed_row(rows: Tensor, batch: TargetBatch, b: int, generator_for: GeneratorFor) -> SampledScores:

@@ -7,6 +7,9 @@ The rule is the one that actually runs for the row (`SequenceState.asd`), not on
   with their compact `TargetScores` (`policies.asd`), and the sampled rows of an arm whose `sampled` rule is
   "relaxed" with the `SampledScores` the target drew for them (`policies.asd_sampled`).
 
+A row that asked for logprobs gets one `TokenLogprob` per emitted token (`attach_logprobs`), read from the
+raw logprobs the target gathered for it (`policies.penalties.BlockLogprobs`).
+
 A sampled request on an ASD arm whose `sampled` rule is "exact" falls back to exact speculative sampling;
 its record says so (`RequestRecord.asd_fallback`).
 """
@@ -16,11 +19,13 @@ from __future__ import annotations
 import torch
 
 from actors.contracts import ASDBatch, TargetBatch, TargetResult
+from actors.requests import TokenLogprob
 from actors.scheduler import RowOutcome, SequenceState
 from policies import Verdict
 from policies.asd import ASDConfig
 from policies.asd_sampled import SampledScores
 from policies.exact import verify_greedy_scores
+from policies.penalties import BlockLogprobs
 from policies.scores import TargetScores
 
 
@@ -72,6 +77,25 @@ def asd_outcomes(verdict: Verdict) -> list[RowOutcome]:
         out.append(RowOutcome(verdict.tokens[j, : k + 1].tolist(), k, int(verdict.num_relaxed[j]),
                               float(verdict.regret[j])))
     return out
+
+
+def attach_logprobs(rows: list[SequenceState], outcomes: list[RowOutcome], result: TargetResult) -> None:
+    """Give each row that asked for logprobs one `TokenLogprob` per token it emits this round."""
+    for b, block in result.logprobs.items():
+        outcomes[b].logprobs = token_logprobs(block, outcomes[b].tokens, rows[b].request.params.logprobs)
+
+
+def first_token(seq: SequenceState, result: TargetResult, b: int) -> RowOutcome:
+    """What a prompt's last chunk (row b of `result`) emits: the token the target sampled, or its argmax."""
+    token = result.sampled_tokens[b][0] if b in result.sampled_tokens else int(result.scores.argmax_ids[b, 0])
+    block = result.logprobs.get(b)
+    logprobs = None if block is None else token_logprobs(block, [token], seq.request.params.logprobs)
+    return RowOutcome([token], 0, logprobs=logprobs)
+
+
+def token_logprobs(block: BlockLogprobs, tokens: list[int], n: int) -> list[TokenLogprob]:
+    """The `TokenLogprob` of tokens[j], emitted at position j of a block, with its position's top n."""
+    return [TokenLogprob(t, *block.lookup(j, t, n)) for j, t in enumerate(tokens)]
 
 
 def take_scores(scores: TargetScores, idx: torch.Tensor) -> TargetScores:

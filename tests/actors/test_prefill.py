@@ -33,6 +33,9 @@ class Seq:
     def prefill_end(self):
         return len(self.request.prompt_ids)
 
+    def rules(self):
+        return None
+
 
 def seq(rid, n, prefilled=0):
     return Seq(Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4)), list(range(1, n + 1)), prefilled)
