@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from actors.drafting import DrafterSetup
+from actors.requests import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from actors.setup import TargetSetup
@@ -22,6 +23,9 @@ def engine_args(setup: TargetSetup, drafter: DrafterSetup, policy: dict[str, Any
     args: dict[str, Any] = dict(
         model=model_dir, tokenizer=model_dir, dtype=setup.dtype, tensor_parallel_size=setup.tp_size,
         max_model_len=max_seq_len, max_num_seqs=setup.max_slots, seed=0,
+        # the contract's logprobs (actors.requests.TokenLogprob): log_softmax of the raw target logits, at most
+        # MAX_LOGPROBS of them; a request's prompt prefill is shared with earlier ones by vLLM's prefix cache
+        logprobs_mode="raw_logprobs", max_logprobs=MAX_LOGPROBS, enable_prefix_caching=True,
         # mp: the workers are the replica's subprocesses on its own devices; engine_kwargs may choose "ray", vLLM's
         # Ray executor, with the workers Ray actors in the unit's placement group (actors.remote.vllm_ray)
         worker_extension_cls=EXTENSION, distributed_executor_backend="mp",

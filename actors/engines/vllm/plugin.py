@@ -4,9 +4,12 @@
 
 - `propose_draft_token_ids`: hands the runner to specserve's proposer (`worker.WORKER`), which reads the batch's
   request ids and sampling parameters from it;
-- `_sample`: after vLLM's rejection sampler, rows of greedy ASD requests are re-verified on the raw target
-  logits (`worker.WorkerState.verify_asd`); with vLLM's own proposer (drafter kind 'vllm') the step is then
-  accounted and each row's γ chosen (`plan`);
+- `rejection_sample` (vLLM's rejection sampler's verdict): rows of greedy ASD requests are re-verified on the
+  logits vLLM verified them on, after its penalties and the grammar's mask (`worker.WorkerState.verify_asd`),
+  before vLLM computes the kept tokens' logprobs; with vLLM's own proposer (drafter kind 'vllm') the `_sample`
+  hook then accounts the step and chooses each row's γ (`plan`);
+- the samplers' `apply_logits_processors`: each request's logit bias (`sampling.add_logit_bias`) at its draft,
+  bonus and decode positions, which vLLM does not apply under speculative decoding;
 - with vLLM's own proposer, `propose_draft_token_ids` drafts the step's largest γ (`draft_len`, in place of
   vLLM's fixed k) and `take_draft_token_ids` cuts each row's drafts to its γ (`cut`) before the scheduler
   schedules them;
@@ -91,19 +94,12 @@ def register() -> None:
         return out
 
     def _sample(self, logits, spec_decode_metadata):
-        out = sample(self, logits, spec_decode_metadata)
         from actors.engines.vllm import worker
 
-        state = worker.state_for(self)
-        if state is None:
-            return out
-        if spec_decode_metadata is not None:
-            try:  # an exception here would kill vLLM's engine; vLLM's exact verdict stands instead
-                state.verify_asd(logits, spec_decode_metadata, out)
-            except Exception:
-                log.exception("specserve ASD verification failed; this step keeps the exact verdict")
-        if state.in_vllm:
-            try:  # as above: a failure drafts nothing this step instead of killing the engine
+        state = worker.state_for(self)  # before sampling: the hooks below read the batch from the runner
+        out = sample(self, logits, spec_decode_metadata)
+        if state is not None and state.in_vllm:
+            try:  # an exception here would kill vLLM's engine: draft nothing this step instead
                 state.plan(out.sampled_token_ids, self.discard_request_mask.np[: self.input_batch.num_reqs])
             except Exception:
                 log.exception("specserve planning failed; no drafts this step")
@@ -125,7 +121,58 @@ def register() -> None:
         return {"free_blocks": pool.get_num_free_blocks(), "total_blocks": pool.num_gpu_blocks,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting)}
 
+    _hook_samplers()
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._sample = _sample
     GPUModelRunner.take_draft_token_ids = take_draft_token_ids
     EngineCore.specserve_kv_stats = specserve_kv_stats
+
+
+def _runner_state():
+    """This process's specserve state once it holds vLLM's runner; None otherwise (an engine without specserve)."""
+    from actors.engines.vllm import worker
+
+    state = worker.WORKER
+    return state if state is not None and state.runner is not None else None
+
+
+def _hook_samplers() -> None:
+    """The logit bias in both samplers, and ASD right after the rejection sampler's verdict: vLLM's forward calls
+    the module's `rejection_sample` with the processed target logits and the bonus tokens, and computes the
+    logprobs of the tokens it returns, so ASD's kept tokens get theirs."""
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from actors.engines.vllm.sampling import add_logit_bias, row_biases
+
+    reject, draft_rules = rejection_sampler.rejection_sample, rejection_sampler.RejectionSampler.apply_logits_processors
+    rules = Sampler.apply_logits_processors
+
+    def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                         target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
+        out = reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                     target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+        state = _runner_state()
+        if state is not None:
+            try:  # an exception here would kill vLLM's engine; vLLM's exact verdict stands instead
+                state.verify_asd(draft_token_ids, list(num_draft_tokens), target_logits, bonus_token_ids, out)
+            except Exception:
+                log.exception("specserve ASD verification failed; this step keeps the exact verdict")
+        return out
+
+    def apply_draft_rules(self, logits, sampling_metadata, metadata):
+        state = _runner_state()
+        if state is not None:  # [sum K_b, V]: request b's draft positions, before vLLM's penalties
+            counts = list(metadata.num_draft_tokens)
+            add_logit_bias(logits, row_biases(state.runner, len(counts)), counts)
+        return draft_rules(self, logits, sampling_metadata, metadata)
+
+    def apply_rules(self, logits, sampling_metadata, predict_bonus_token=False):
+        state = _runner_state()
+        if state is not None and self is state.runner.sampler and logits.shape[0] == state.runner.input_batch.num_reqs:
+            add_logit_bias(logits, row_biases(state.runner, logits.shape[0]), [1] * logits.shape[0])
+        return rules(self, logits, sampling_metadata, predict_bonus_token)
+
+    rejection_sampler.rejection_sample = rejection_sample
+    rejection_sampler.RejectionSampler.apply_logits_processors = apply_draft_rules
+    Sampler.apply_logits_processors = apply_rules

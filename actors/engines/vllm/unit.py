@@ -54,6 +54,7 @@ class VllmUnit:
         self.unit, self.setup, self.drafter_setup = unit, setup, drafter
         self.max_seq_len = context_length(setup.max_seq_len, info)
         self.eos_token_ids = tuple(info["eos_token_ids"] if eos_token_ids is None else eos_token_ids)
+        self.vocab_size = info["vocab_size"]
         self.observer = observer or NullObserver()
         self.drafter_actor, where = None, None
         self._torch_threads, self._drafter_recovery = torch_threads, None
@@ -216,9 +217,12 @@ class VllmUnit:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream the request's tokens; the last chunk has the finish reason and the record. When the engine
         dies, the request resumes on the rebuilt one from its prompt and the tokens already streamed."""
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        rid = request.request_id
+        from actors.engines.vllm.sampling import token_logprobs
+
+        rid, n = request.request_id, request.params.logprobs
         if rid in self._inflight:
             raise ValueError(f"request_id {rid!r} is already running on unit {self.unit}")
         self._inflight.add(rid)
@@ -236,6 +240,8 @@ class VllmUnit:
                 try:
                     async for out in stream:
                         new = list(out.outputs[0].token_ids)
+                        positions = list(out.outputs[0].logprobs or [])[-len(new):] if new else []
+                        logprobs = None if n is None else token_logprobs(positions, n)  # one per new token
                         if new:
                             last_t = time.perf_counter()
                             if first is None:
@@ -247,16 +253,19 @@ class VllmUnit:
                             if reason == "stop" and final and final[-1] in self._stops(request):
                                 final.pop()  # vLLM keeps the stop token; specserve's outputs end before it
                                 tokens.pop()
+                                logprobs = None if logprobs is None else logprobs[:-1]
                             if final:  # the last tokens leave before the request's end work
-                                yield GenerationChunk(final)
+                                yield GenerationChunk(final, logprobs=logprobs)
                                 final = []
                             end_t = time.perf_counter()
                             break
                         if new:
-                            yield GenerationChunk(new)
+                            yield GenerationChunk(new, logprobs=logprobs)
                 except EngineDeadError as err:
                     died = err
                     self._engine_died(engine)
+                except VLLMClientError as err:  # vLLM refused the request before it ran
+                    raise ValueError(_refusal(request, err)) from None
                 finally:
                     # In its own task: a consumer that goes away may cancel this generator again while it cleans
                     # up, and the abort (freeing vLLM's KV blocks) and the worker's release must happen all the same.
@@ -280,7 +289,8 @@ class VllmUnit:
         if record.degraded:
             await self._recover_drafter()
         self._after(record, now)
-        yield GenerationChunk(final, finish_reason=reason, record=record, error=error)
+        yield GenerationChunk(final, finish_reason=reason, record=record, error=error,
+                              logprobs=None if n is None else [])
 
     def _after(self, record: RequestRecord, since: float) -> None:
         """After the final message, the end work no client waits for: going idle, the worker's observations reach
@@ -321,19 +331,11 @@ class VllmUnit:
         return list(dict.fromkeys([*(() if p.ignore_eos else self.eos_token_ids), *p.stop_token_ids]))
 
     def _params(self, request: GenerationRequest):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from actors.engines.vllm.sampling import vllm_params
 
-        from actors.engines.vllm.worker import request_settings
-
-        p = request.params
-        return SamplingParams(
-            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0, seed=p.seed,
-            stop_token_ids=self._stops(request),
-            ignore_eos=p.ignore_eos, detokenize=False, output_kind=RequestOutputKind.DELTA,
-            extra_args={"specserve": request_settings(
-                request, speculate=request.speculate and self.drafter_setup.kind != "none")},
-        )
+        return vllm_params(request, stops=self._stops(request), vocab_size=self.vocab_size,
+                           speculate=request.speculate and self.drafter_setup.kind != "none",
+                           native_bias=self.drafter_setup.kind == "none")
 
     def _record(self, request: GenerationRequest, worker: dict[str, Any], tokens: list[int], started: float,
                 first: float | None, reason: str, timing: dict[str, float | None]) -> RequestRecord:
@@ -370,6 +372,12 @@ class VllmUnit:
             self._kill_drafter()
 
 
+def _refusal(request: GenerationRequest, err: Exception) -> str:
+    """vLLM's refusal of a request, naming the field (`structured` for a grammar vLLM cannot compile)."""
+    field = getattr(err, "parameter", None) or ("structured" if request.params.structured is not None else None)
+    return f"{field}: {err}" if field else str(err)
+
+
 def _resumed(request: GenerationRequest, emitted: list[int], left: int) -> GenerationRequest:
     """The rest of `request` after its engine died: its prompt and what it emitted, `left` tokens to go. An ASD
     request goes on exactly (budget 0): the dead worker's last charges may not have reached the policy actor, so
@@ -377,6 +385,6 @@ def _resumed(request: GenerationRequest, emitted: list[int], left: int) -> Gener
     arm = request.arm
     if arm.asd is not None:
         arm = replace(arm, asd=replace(arm.asd, budget=0.0))
-    return replace(request, prompt_ids=[*request.prompt_ids, *emitted], params=replace(request.params, max_tokens=left),
-                   arm=arm)
+    params = replace(request.params, max_tokens=left, min_tokens=max(0, request.params.min_tokens - len(emitted)))
+    return replace(request, prompt_ids=[*request.prompt_ids, *emitted], params=params, arm=arm)
 

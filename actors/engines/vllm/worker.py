@@ -2,12 +2,12 @@
 
 vLLM builds `SpecserveProposer(vllm_config)` in each worker (`speculative_config.method = "custom_class"`) and
 calls `propose` once per engine step for every request of the batch (row i is `runner.input_batch.req_ids[i]`);
-`plugin.register` hands it the runner and calls `verify_asd` after vLLM's rejection sampler. With drafter kind
-'vllm' vLLM's own proposer drafts, and the plugin's hooks call `plan` (account the step, choose each row's γ),
-read `draft_len` (the step's draft length) and call `cut` (each row's drafts to its γ). Per request the worker
-keeps the shared `RequestBook` (`actors.bookkeeping`) and its ledger lease in a `UnitPolicy` that reports to the
-app's policy actor (tensor-parallel rank 0 only; every rank verifies alike). The unit takes a finished request's
-book with `collective_rpc("specserve_take", ...)`.
+`plugin.register` hands it the runner and calls `verify_asd` inside vLLM's rejection sampler (after its verdict,
+before its logprobs). With drafter kind 'vllm' vLLM's own proposer drafts, and the plugin's hooks call `plan`
+(account the step, choose each row's γ), read `draft_len` (the step's draft length) and call `cut` (each row's
+drafts to its γ). Per request the worker keeps the shared `RequestBook` (`actors.bookkeeping`) and its ledger
+lease in a `UnitPolicy` that reports to the app's policy actor (tensor-parallel rank 0 only; every rank verifies
+alike). The unit takes a finished request's book with `collective_rpc("specserve_take", ...)`.
 """
 
 from __future__ import annotations
@@ -23,37 +23,14 @@ from actors.bookkeeping import RequestBook
 from actors.contracts import DraftBatch, DraftRequest
 from actors.drafting import DrafterSetup, make_drafter
 from actors.policy import InProcessLink, PolicyCore, UnitPolicy
-from actors.requests import ArmSpec, GenerationRequest, SamplingParams
+from actors.engines.vllm.sampling import KEY, worker_request
 from policies import PAD_TOKEN_ID
 from policies.asd import ASDConfig, verify_asd_scores
 from policies.scores import TargetScores, compact_scores
 
 log = logging.getLogger(__name__)
 
-KEY = "specserve"  # additional_config[KEY] (unit settings) and SamplingParams.extra_args[KEY] (per request)
 _PRUNE_AT = 4096  # books of requests vLLM no longer holds are dropped past this many (a unit that never took them)
-
-
-def request_settings(request: GenerationRequest, *, speculate: bool) -> dict[str, Any]:
-    """A request's `SamplingParams.extra_args[KEY]` (built by the unit; plain values, as vLLM serializes them)."""
-    arm = request.arm
-    out: dict[str, Any] = {"rid": request.request_id, "arm": arm.name, "verification": arm.verification,
-                           "sampled": arm.sampled, "speculate": speculate}
-    if arm.asd is not None:
-        out["asd"] = {"g": arm.asd.g, "M": arm.asd.max_relaxed_per_block, "B": arm.asd.budget, "gate": arm.asd.gate}
-    return out
-
-
-def _request(cfg: dict[str, Any], params, prompt_ids) -> GenerationRequest:
-    """The unit's request, as far as the worker's bookkeeping needs it, from vLLM's request."""
-    asd = cfg.get("asd")
-    arm = ArmSpec(cfg["arm"], cfg.get("verification", "exact"),
-                  ASDConfig(g=asd["g"], max_relaxed_per_block=asd["M"], budget=asd["B"], gate=asd["gate"])
-                  if asd else None,
-                  cfg.get("sampled", "exact"))
-    temperature = 0.0 if params.temperature < 1e-5 else params.temperature
-    sampling = SamplingParams(max_tokens=params.max_tokens or 1, temperature=temperature, seed=params.seed)
-    return GenerationRequest(cfg["rid"], list(prompt_ids or ()), sampling, arm, speculate=bool(cfg["speculate"]))
 
 
 def _policy(settings: dict[str, Any], rank0: bool) -> UnitPolicy:
@@ -112,7 +89,7 @@ class WorkerState:
         cfg = ((params.extra_args or {}).get(KEY) if params is not None else None)
         if cfg is None:
             return None  # not a specserve request: no drafts, no books
-        book = RequestBook(_request(cfg, params, getattr(held, "prompt_token_ids", ())), time.time())
+        book = RequestBook(worker_request(cfg, params, getattr(held, "prompt_token_ids", ())), time.time())
         self.take([book.rid])  # a reused id: start over
         self.books[book.rid], self._rid_of[internal_id], self._internal[book.rid] = book, book.rid, internal_id
         book.ledger = self.policy.open_request(book.rid, book.request.arm.name, book.budget)
@@ -253,18 +230,21 @@ class WorkerState:
         log.warning("dropping %d specserve books the unit never took", len(gone))
         self.take(gone)
 
-    # --- ASD after vLLM's rejection sampler ----------------------------------------------------------------
-    def verify_asd(self, logits: torch.Tensor, metadata, sampler_output) -> None:
-        """Re-verify the rows of greedy ASD requests on vLLM's raw target logits, charging their ledgers.
+    # --- ASD inside vLLM's rejection sampler --------------------------------------------------------------
+    def verify_asd(self, draft_token_ids: torch.Tensor, counts: list[int], target_logits: torch.Tensor,
+                   bonus_token_ids: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Re-verify the rows of greedy ASD requests on the target logits vLLM verified, charging their ledgers.
 
-        `metadata` (vLLM's SpecDecodeMetadata) gives per row b its draft count, the flattened draft ids, the
-        logits rows that score them (teacher-forced on the draft) and the bonus row. The verdict replaces row b
-        of `sampler_output.sampled_token_ids` ([B, max_spec_len + 1], -1 = rejected, the same sentinel as
-        PAD_TOKEN_ID). vLLM's scheduler then rolls KV back past the kept tokens; a relaxed token's KV was
-        computed with the draft token as input, so it is already right.
+        Called by `plugin.register`'s hook right after vLLM's `rejection_sample`, with its arguments:
+        `draft_token_ids` [sum K_b] and `target_logits` [sum K_b, V], row b's K_b = `counts[b]` positions
+        consecutive, after vLLM's penalties, the logit bias, min_tokens and the grammar's mask (so a relaxed token is
+        one the grammar allows: the drafts were cut at the grammar's first refusal; a token a rule bans has infinite
+        regret), and `bonus_token_ids` [B, 1], sampled under the same rules. The verdict replaces row b of
+        `sampled` ([B, max_spec_len + 1], -1 = rejected, the same sentinel as PAD_TOKEN_ID) before vLLM
+        computes the logprobs of the kept tokens and its scheduler rolls KV back past them (a relaxed token's KV
+        was computed with the draft token as input, so it is already right).
         """
         req_ids = self.runner.input_batch.req_ids
-        counts = list(metadata.num_draft_tokens)
         if self.asd_log is not None:  # tests read them back (`record_asd`); a serving step does not count
             for k in counts:
                 self.verified[k] = self.verified.get(k, 0) + 1
@@ -277,24 +257,25 @@ class WorkerState:
                 groups.setdefault(book.request.arm.asd, []).append((b, rid, k))
         if not groups:
             return
-        sampled = sampler_output.sampled_token_ids  # [B, max_spec_len + 1]
-        # one host copy of each metadata tensor per step, not one per row (each is a sync on a GPU)
-        all_drafts = metadata.draft_token_ids.long().cpu()  # [sum K_b]
-        all_targets = metadata.target_logits_indices.long().cpu()  # [sum K_b]
-        bonus = metadata.bonus_logits_indices.long().cpu()  # [B]
+        # one host copy of the drafts and bonus ids per step, not one per row (each is a sync on a GPU)
+        all_drafts = draft_token_ids.long().cpu()  # [sum K_b]
+        bonus = bonus_token_ids.long().view(-1).cpu()  # [B]
         for config, rows in groups.items():
             kmax = max(k for _, _, k in rows)
             draft_ids = torch.full((len(rows), kmax), PAD_TOKEN_ID, dtype=torch.long)  # [N, Kmax]
-            index = torch.empty((len(rows), kmax + 1), dtype=torch.long)  # [N, Kmax + 1] rows of `logits`
+            index = torch.empty((len(rows), kmax + 1), dtype=torch.long)  # [N, Kmax + 1] rows of `target_logits`
             for j, (b, _, k) in enumerate(rows):
                 s = int(starts[b])
                 draft_ids[j, :k] = all_drafts[s : s + k]
-                index[j, :k] = all_targets[s : s + k]
-                index[j, k:] = bonus[b]  # the bonus row, repeated as padding
+                index[j, :k] = torch.arange(s, s + k)
+                index[j, k:] = s  # a stand-in row: the bonus position's argmax is vLLM's bonus token (below)
             # reduced over the vocabulary where the logits are; only [N, Kmax + 1] scores come to the host
-            target_logits = logits[index.to(logits.device)].float()  # [N, Kmax + 1, V]
-            scores = compact_scores(draft_ids.to(logits.device), target_logits, validate=False)
-            scores = TargetScores(scores.argmax_ids.cpu(), scores.argmax_logits.cpu(), scores.draft_logits.cpu())
+            scores = compact_scores(draft_ids.to(target_logits.device), target_logits[index.to(target_logits.device)],
+                                    validate=False)
+            argmax_ids = scores.argmax_ids.cpu()  # [N, Kmax + 1]
+            for j, (b, _, k) in enumerate(rows):
+                argmax_ids[j, k:] = bonus[b]
+            scores = TargetScores(argmax_ids, scores.argmax_logits.cpu(), scores.draft_logits.cpu())
             ledgers = [self.books[rid].ledger for _, rid, _ in rows]
             spent_before = [ledger.spent for ledger in ledgers]
             mirrored = self._mirrored([rid for _, rid, _ in rows]) if self.asd_log is not None else None
@@ -314,7 +295,6 @@ class WorkerState:
             for j, (b, _, k) in enumerate(rows):
                 sampled[b, : k + 1] = verdict.tokens[j, : k + 1].to(sampled.device, sampled.dtype)
                 sampled[b, k + 1 :] = PAD_TOKEN_ID
-
 
     def _mirrored(self, request_ids: list[str]) -> list[float | None] | None:
         """The in-process authority's spend of these ledgers (tests); None when the authority is an actor."""

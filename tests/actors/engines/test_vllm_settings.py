@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.engines.vllm.worker import _request, request_settings
+from actors.engines.vllm.sampling import request_settings, worker_request as _request
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams
 from policies.asd import ASDConfig
 

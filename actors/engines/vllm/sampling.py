@@ -1,0 +1,124 @@
+"""specserve's request contract on vLLM: `SamplingParams` to vLLM's, vLLM's logprobs back to `TokenLogprob`s, and
+the logit bias that vLLM leaves to specserve under speculative decoding.
+
+What vLLM applies itself, at every position it verifies (the draft positions with the drafts before them in the
+output, and the bonus position): the penalties, `min_tokens`, and the grammar of `structured` (its bitmask is
+applied to the target's logits before sampling, over the draft positions too, and the scheduler cuts each draft
+at its first token the grammar refuses). vLLM refuses `logit_bias` when speculation is configured, so specserve
+sends it in `extra_args[KEY]["logit_bias"]` and adds it itself (`add_logit_bias`, called by `plugin.register`'s
+hooks before vLLM's penalties, where vLLM's own logits processor would). Logprobs are vLLM's `raw_logprobs`
+mode: log_softmax of the target's logits before penalties, bias, temperature, top-k and top-p (after the
+grammar's mask, as vLLM has it), computed by vLLM for the tokens its rejection sampler returns, which already
+holds ASD's verdict (the ASD hook runs inside it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from actors.requests import ArmSpec, GenerationRequest, SamplingParams, TokenLogprob
+from policies.asd import ASDConfig
+
+KEY = "specserve"  # additional_config[KEY] (unit settings) and SamplingParams.extra_args[KEY] (per request)
+
+
+def request_settings(request: GenerationRequest, *, speculate: bool, bias: bool = True) -> dict[str, Any]:
+    """A request's `SamplingParams.extra_args[KEY]` (built by the unit; plain values, as vLLM serializes them);
+    `bias`: the request's logit bias, for specserve's hooks to add."""
+    arm = request.arm
+    out: dict[str, Any] = {"rid": request.request_id, "arm": arm.name, "verification": arm.verification,
+                           "sampled": arm.sampled, "speculate": speculate}
+    if arm.asd is not None:
+        out["asd"] = {"g": arm.asd.g, "M": arm.asd.max_relaxed_per_block, "B": arm.asd.budget, "gate": arm.asd.gate}
+    if bias and request.params.logit_bias:
+        out["logit_bias"] = [[int(t), float(b)] for t, b in sorted(request.params.logit_bias.items())]
+    return out
+
+
+def worker_request(cfg: dict[str, Any], params, prompt_ids) -> GenerationRequest:
+    """The unit's request, as far as the worker's bookkeeping needs it, from vLLM's request."""
+    asd = cfg.get("asd")
+    arm = ArmSpec(cfg["arm"], cfg.get("verification", "exact"),
+                  ASDConfig(g=asd["g"], max_relaxed_per_block=asd["M"], budget=asd["B"], gate=asd["gate"])
+                  if asd else None,
+                  cfg.get("sampled", "exact"))
+    temperature = 0.0 if params.temperature < 1e-5 else params.temperature
+    sampling = SamplingParams(max_tokens=params.max_tokens or 1, temperature=temperature, seed=params.seed)
+    return GenerationRequest(cfg["rid"], list(prompt_ids or ()), sampling, arm, speculate=bool(cfg["speculate"]))
+
+
+def vllm_params(request: GenerationRequest, *, stops: list[int], speculate: bool, vocab_size: int,
+                native_bias: bool = False):
+    """vLLM's `SamplingParams` for a request; ValueError naming the field a request may not send. `native_bias`:
+    the engine does not speculate (drafter kind 'none'), so vLLM applies the logit bias itself."""
+    from vllm import SamplingParams as VllmParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    p = request.params
+    if p.logit_bias and max(p.logit_bias) >= vocab_size:
+        raise ValueError(f"logit_bias: token ids must be < {vocab_size} (the model's vocabulary), "
+                         f"got {max(p.logit_bias)}")
+    structured = None
+    if p.structured is not None:
+        if p.structured.kind == "json_object":
+            structured = StructuredOutputsParams(json_object=True)
+        else:
+            try:
+                schema = json.loads(p.structured.schema)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"structured: the schema is not JSON ({err})") from None
+            if not isinstance(schema, dict):
+                raise ValueError("structured: the schema must be a JSON object")
+            structured = StructuredOutputsParams(json=schema)
+    return VllmParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0, seed=p.seed,
+        stop_token_ids=stops, ignore_eos=p.ignore_eos, detokenize=False, output_kind=RequestOutputKind.DELTA,
+        logprobs=p.logprobs, frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, structured_outputs=structured,
+        logit_bias=dict(p.logit_bias) if native_bias and p.logit_bias else None,
+        extra_args={KEY: request_settings(request, speculate=speculate, bias=not native_bias)},
+    )
+
+
+def token_logprobs(positions, n: int) -> list[TokenLogprob]:
+    """`TokenLogprob`s from vLLM's sample logprobs of the same tokens (`positions`: one {token id: Logprob} per
+    token, the sampled token first, then the n most likely with ranks 1..n; the sampled one is among them or
+    extra)."""
+    out = []
+    for entries in positions:
+        token, first = next(iter(entries.items()))
+        others = list(entries.items())
+        if len(others) > n:  # the sampled token is not among the n most likely
+            others = others[1:]
+        top = tuple((int(t), float(lp.logprob)) for t, lp in sorted(others, key=lambda e: e[1].rank))
+        out.append(TokenLogprob(int(token), float(first.logprob), top[:n]))
+    return out
+
+
+def row_biases(runner, rows: int) -> list[list[list[float]] | None]:
+    """The logit bias of each of the first `rows` requests of vLLM's batch (None: none, or not specserve's)."""
+    out = []
+    for req_id in runner.input_batch.req_ids[:rows]:
+        params = getattr(runner.requests.get(req_id), "sampling_params", None)
+        cfg = (params.extra_args or {}).get(KEY) if params is not None else None
+        out.append(cfg.get("logit_bias") if cfg else None)
+    return out
+
+
+def add_logit_bias(logits: torch.Tensor, biases: list[list[list[float]] | None], counts: list[int]) -> None:
+    """Add each request's bias to its logits rows, in place. `logits` [sum counts, V]: request b's `counts[b]`
+    rows are consecutive (its draft positions, or its one bonus or decode row)."""
+    rows, cols, values, start = [], [], [], 0
+    for bias, count in zip(biases, counts):
+        if bias and count:
+            for r in range(start, start + count):
+                rows.extend([r] * len(bias))
+                cols.extend(int(t) for t, _ in bias)
+                values.extend(float(v) for _, v in bias)
+        start += count
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)

