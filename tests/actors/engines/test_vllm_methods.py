@@ -216,3 +216,30 @@ def test_smollm2_drafting_for_itself_accepts_nearly_all_and_is_greedy_identical(
     assert all(r.record.draft_tokens == 0 for r in plain)
     drafted, accepted = sum(r.record.draft_tokens for r in spec), sum(r.record.accepted_tokens for r in spec)
     assert drafted > 0 and accepted / drafted > 0.9, (accepted, drafted)
+
+
+def test_logprobs_penalties_and_bias_are_exact_under_vllms_proposers(unit, prompts, plain_greedy):
+    """The request contract with vLLM's own proposer drafting: logprobs, penalties and a logit bias give the same
+    tokens and logprobs (within 1e-4, fp32) as the same engine's target-only rows; on an ASD arm each logprob is
+    the emitted token's own."""
+    banned = plain_greedy[0][0]
+    params = dict(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3, frequency_penalty=0.5, repetition_penalty=1.2,
+                  logit_bias={banned: -100.0})
+    requests = [GenerationRequest(f"c{s}{i}", p, SamplingParams(**params), speculate=s == "s")
+                for s in "st" for i, p in enumerate(prompts)]
+    results = unit.generate_many_sync(requests)
+    spec, plain = results[: len(prompts)], results[len(prompts):]
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert all(banned not in r.token_ids for r in spec) and sum(r.record.draft_tokens for r in spec) > 0
+    for s, t in zip(spec, plain):
+        assert [lp.token_id for lp in s.logprobs] == s.token_ids
+        for a, b in zip(s.logprobs, t.logprobs):
+            assert abs(a.logprob - b.logprob) <= 1e-4 and len(a.top) == 3
+            assert all(abs(x[1] - y[1]) <= 1e-4 for x, y in zip(a.top, b.top))
+    arm = ArmSpec("asd-lp", "asd", ASDConfig(g=20.0, max_relaxed_per_block=2, budget=50.0))
+    asd = unit.generate_many_sync([GenerationRequest(f"cl{i}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                                               logprobs=1), arm=arm)
+                                   for i, p in enumerate(prompts)])
+    for r in asd:
+        assert [lp.token_id for lp in r.logprobs] == r.token_ids
+        assert all(lp.logprob <= lp.top[0][1] + 1e-6 for lp in r.logprobs)
