@@ -27,10 +27,12 @@ IDLE_TIMEOUT_S = 60.0
 
 
 async def load_with_faults(app: str, url: str, model: str, requests: list[LoadRequest], *, concurrency: int,
-                           timeout_s: float, faults: tuple[str, ...] = FAULTS,
-                           headers: dict[str, str] | None = None) -> tuple[list[Outcome], list[dict]]:
+                           timeout_s: float, faults: tuple[str, ...] = FAULTS, headers: dict[str, str] | None = None,
+                           injectors: dict | None = None) -> tuple[list[Outcome], list[dict]]:
     """The load, with fault k injected once (k + 1) / (len(faults) + 1) of the requests have ended, each
-    after the previous one recovered; returns the outcomes and, per fault, its pid and recovery time."""
+    after the previous one recovered; returns the outcomes and, per fault, what was killed and the recovery time.
+    `injectors` maps a fault outside `FAULTS` (a node: `bench.multinode.LocalCluster.kill_node`) to a blocking
+    call that injects it and returns its record, with "at" (monotonic) the moment it struck."""
     import httpx
 
     ended = asyncio.Event()
@@ -49,8 +51,10 @@ async def load_with_faults(app: str, url: str, model: str, requests: list[LoadRe
                 while count < (k + 1) * len(requests) / (len(faults) + 1):
                     ended.clear()
                     await ended.wait()
-                record = inject(fault, app)
-                record["in_flight_at_kill"] = min(concurrency, len(requests) - count)
+                in_flight = min(concurrency, len(requests) - count)
+                kill = (injectors or {}).get(fault)
+                record = await asyncio.to_thread(kill) if kill else inject(fault, app)
+                record.update(fault=fault, in_flight_at_kill=in_flight)
                 record["recovery_s"] = await time_to_recover(probe, record.pop("at"))
                 injected.append(record)
         return injected
@@ -125,7 +129,8 @@ def wait_idle(app: str, timeout_s: float = IDLE_TIMEOUT_S) -> dict:
 
 def run_faults(app: str, url: str, model: str, prompts: list[tuple[int, ...]], *, requests: int, concurrency: int,
                lengths: tuple[int, ...], arms: tuple[str, ...], exact_arm: str, timeout_s: float,
-               faults: tuple[str, ...] = FAULTS, headers: dict[str, str] | None = None, seed: int = 0) -> dict:
+               faults: tuple[str, ...] = FAULTS, headers: dict[str, str] | None = None, seed: int = 0,
+               injectors: dict | None = None) -> dict:
     """References first (no fault yet), then the load with every fault; the `summarize` figures."""
     import httpx
 
@@ -133,7 +138,8 @@ def run_faults(app: str, url: str, model: str, prompts: list[tuple[int, ...]], *
                            headers=headers)
     plan = plan_load(prompts, requests, lengths, arms, seed)
     outcomes, injected = asyncio.run(load_with_faults(app, url, model, plan, concurrency=concurrency,
-                                                      timeout_s=timeout_s, faults=faults, headers=headers))
+                                                      timeout_s=timeout_s, faults=faults, headers=headers,
+                                                      injectors=injectors))
     leaks = wait_idle(app)
     export = httpx.get(f"{url}/v1/specserve/export", headers=headers, timeout=60).json()
     return summarize(plan, outcomes, injected, reference, exact_arm, export["requests"], leaks)
