@@ -3,7 +3,10 @@
 Per arm: mean score, output tokens/s as a ratio of sums (Σ output tokens / Σ request seconds) and the mean of
 per-request tokens/s, acceptance rate, mean accepted length, regret spent per request. Per arm other than the
 reference, over the problems both answered (`stats`): `score` (mean difference, 95% paired-bootstrap interval),
-`mcnemar` (discordant counts b, c and the exact p, binary suites) and `speed` (tokens/s ratio with its interval).
+`mcnemar` (discordant counts b, c and the exact p, binary suites) and `speed` (tokens/s ratio with its interval);
+and the output measures (`experiments.eval.measures`): per arm `measures` (NLL, repetition, copy rate, length,
+outputs cut by max_tokens), per arm other than the reference `report["measures"][arm]` (hash divergence and the
+paired differences).
 
 `write_outputs` writes `results.json` (schema `specserve.eval/v1`), `report.md` and `frontier.png`; for other
 reports: `quality_section` (the A/B report's), `asd_quality_delta` (the bench's summary entry) and
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from experiments.eval.measures import arm_measures, measure_figures, measures_markdown
 from experiments.eval.stats import (
     DEFAULT_RESAMPLES,
     mcnemar_exact,
@@ -84,6 +88,7 @@ def arm_figures(rows: Sequence[dict], errors: int, settings: dict | None) -> dic
         "mean_accepted_length": _ratio(_sum(rows, "accepted_tokens"), _sum(rows, "rounds")),
         "regret_spent_mean": float(np.mean(regret)) if regret else None,
         "relaxed_tokens": int(_sum(rows, "relaxed_tokens")) if verification == "asd" else None,
+        "measures": arm_measures(rows),
     }
 
 
@@ -130,17 +135,18 @@ def build_eval_report(rows: Sequence[dict], *, suite: str, binary: bool, arms: S
         answered = [valid[(arm, p)] for p in problems if (arm, p) in valid]
         failed = {r["problem"] for r in rows if r["arm"] == arm and r.get("error")} - {r["problem"] for r in answered}
         per_arm[arm] = arm_figures(answered, len(failed), settings.get(arm))
-    paired = {}
+    paired, measures = {}, {}
     for arm in names:
         if arm == reference:
             continue
         common = [p for p in problems if (arm, p) in valid and (reference, p) in valid]
-        paired[arm] = (paired_figures([valid[(reference, p)] for p in common], [valid[(arm, p)] for p in common],
-                                      binary, resamples, seed) if common else None)
+        ref_rows, arm_rows = [valid[(reference, p)] for p in common], [valid[(arm, p)] for p in common]
+        paired[arm] = paired_figures(ref_rows, arm_rows, binary, resamples, seed) if common else None
+        measures[arm] = measure_figures(ref_rows, arm_rows, resamples, seed) if common else None
     return {
         "schema": SCHEMA, "suite": suite, "binary": binary, "reference": reference, "arms_order": names,
         "problems": len(problems), "resamples": resamples, "seed": seed, "created": time.time(),
-        "arms": per_arm, "paired": paired,
+        "arms": per_arm, "paired": paired, "measures": measures,
     }
 
 
@@ -176,6 +182,7 @@ def quality_section(report: dict) -> dict[str, Any]:
             "mcnemar_p": pair["mcnemar"]["p_value"] if pair and pair["mcnemar"] else None,
             "speed_ratio": pair["speed"]["ratio"] if pair and pair["speed"] else None,
             "speed_ratio_ci95": pair["speed"]["ci95"] if pair and pair["speed"] else None,
+            **_measure_columns(a, (report.get("measures") or {}).get(arm)),
         })
     ref = report["reference"]
     lines = [
@@ -193,7 +200,20 @@ def quality_section(report: dict) -> dict[str, Any]:
             f"{_f(r['tokens_per_s'], 1)} | {'1.00' if is_ref else _f(r['speed_ratio'], 2)} | "
             f"{_ci(r['speed_ratio_ci95'], 2, sign=False)} | {_f(r['acceptance_rate'], 3)} |"
         )
+    if any(a.get("measures") for a in report["arms"].values()):
+        lines += ["", measures_markdown(report).rstrip("\n")]
     return {"reference": ref, "suite": report["suite"], "rows": rows, "markdown": "\n".join(lines) + "\n"}
+
+
+def _measure_columns(arm: dict, pair: dict | None) -> dict[str, Any]:
+    """The A/B report's output measures of one arm: its means, the hash divergence and paired NLL difference."""
+    m, pair = arm.get("measures") or {}, pair or {}
+    nll = pair.get("nll") or {}
+    divergence = pair.get("hash_divergence") or {}
+    return {"truncated": m.get("truncated"), "nll_mean": m.get("nll_mean"), "repetition_mean": m.get("repetition_mean"),
+            "copy_rate_mean": m.get("copy_rate_mean"), "output_tokens_mean": m.get("output_tokens_mean"),
+            "hash_divergence": divergence.get("share"), "hash_divergence_ci95": divergence.get("ci95"),
+            "nll_diff": nll.get("diff"), "nll_diff_ci95": nll.get("ci95")}
 
 
 def asd_quality_delta(report: dict) -> dict[str, dict]:
@@ -210,6 +230,8 @@ def asd_quality_delta(report: dict) -> dict[str, dict]:
             "delta": pair["score"]["diff"], "ci95": pair["score"]["ci95"],
             "mcnemar_p": pair["mcnemar"]["p_value"] if pair["mcnemar"] else None, "n": pair["n_pairs"],
             "speed_ratio": pair["speed"]["ratio"] if pair["speed"] else None,
+            **{k: v for k, v in _measure_columns(a, (report.get("measures") or {}).get(arm)).items()
+               if k in ("hash_divergence", "nll_diff", "nll_diff_ci95", "truncated")},
         }
     return out
 

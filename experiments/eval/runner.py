@@ -7,7 +7,9 @@ A failed request is written with an `error` and retried by the next run; `max_co
 row, or an unreachable service, stop the run. Why this order: docs/experiments.md.
 
 Row keys: suite, problem, arm, score, passed, detail, completion, output_tokens, seconds, tokens_per_s,
-finish_reason, served_arm, speculative, error, time.
+finish_reason, served_arm, speculative, error, time, and the output measures of `experiments.eval.measures`
+(repetition, copy_rate, truncated, text_sha256; nll and nll_tokens when a likelihood scorer is given), computed
+after the request like the score.
 """
 
 from __future__ import annotations
@@ -28,9 +30,13 @@ from experiments.eval.backends import (
     EvalBackend,
     with_max_tokens,
 )
-from experiments.eval.suites import Problem, Suite
+from experiments.eval.measures import row_measures
+from experiments.eval.suites import EvalPrompt, Problem, Suite
 
 logger = logging.getLogger(__name__)
+
+# (prompt, completion) → (Σ nats, completion tokens) under the target: `experiments.eval.likelihood`
+LikelihoodScorer = Callable[[EvalPrompt, str], tuple[float, int]]
 
 ROWS_FILE = "rows.jsonl"
 RUN_FILE = "run.json"
@@ -119,8 +125,23 @@ def _progress_line(done: int, total: int, row: dict, elapsed: float, remaining: 
     return f"[{done}/{total}] {row['arm']:<12} {row['problem']:<18} {outcome}  ({_fmt_duration(elapsed)}{eta})"
 
 
+def prompt_text(prompt: EvalPrompt) -> str:
+    """What the model was given, as text: the messages' contents, or the completion prompt."""
+    return "\n".join(m["content"] for m in prompt.messages) if prompt.chat else prompt.prompt
+
+
+def _measures(prompt: EvalPrompt, row: dict, likelihood: LikelihoodScorer | None) -> dict:
+    nll = None
+    if likelihood is not None:
+        try:
+            nll = likelihood(prompt, row["completion"])
+        except Exception:  # a scorer's failure costs the figure, never the row
+            logger.exception("likelihood of %s on %s failed", row["problem"], row["arm"])
+    return row_measures(prompt_text(prompt), row["completion"], row["finish_reason"], nll)
+
+
 def _answer(suite: Suite, backend: EvalBackend, problem: Problem, arm: str, max_tokens: int | None,
-            temperature: float = 0.0) -> dict:
+            temperature: float = 0.0, likelihood: LikelihoodScorer | None = None) -> dict:
     """One (arm, problem) row: the request, then its score. BackendError propagates."""
     prompt = with_max_tokens(suite.prompt(problem), max_tokens)
     if temperature:  # one seed per problem, the same on every arm: the arms' draws are paired
@@ -132,6 +153,7 @@ def _answer(suite: Suite, backend: EvalBackend, problem: Problem, arm: str, max_
         "tokens_per_s": completion.tokens_per_s, "finish_reason": completion.finish_reason,
         "served_arm": completion.served_arm, "speculative": completion.speculative, "error": None,
     }
+    row.update(_measures(prompt, row, likelihood))
     try:
         score = suite.score(problem, completion.text)
     except Exception as err:  # a plug-in scorer's bug: keep the answer, retry the row on the next run
@@ -142,8 +164,10 @@ def _answer(suite: Suite, backend: EvalBackend, problem: Problem, arm: str, max_
 
 def run_suite(suite: Suite, backend: EvalBackend, arms: Sequence[str], out_dir: Path | str, *,
               limit: int | None = None, max_tokens: int | None = None, temperature: float = 0.0,
-              progress: Callable[[str], None] | None = None, max_consecutive_errors: int = 3) -> RunInfo:
-    """Answer the suite's first `limit` problems on every arm, appending rows to `out_dir/rows.jsonl`.
+              progress: Callable[[str], None] | None = None, max_consecutive_errors: int = 3,
+              likelihood: LikelihoodScorer | None = None) -> RunInfo:
+    """Answer the suite's first `limit` problems on every arm, appending rows to `out_dir/rows.jsonl`;
+    `likelihood` adds each output's NLL under the target to its row.
 
     Raises ValueError for bad arguments or an unknown arm, `BackendUnavailable` when the service cannot be
     reached, `BackendError` after `max_consecutive_errors` failed requests in a row (rows so far are kept).
@@ -177,7 +201,7 @@ def run_suite(suite: Suite, backend: EvalBackend, arms: Sequence[str], out_dir: 
     with open(out_dir / ROWS_FILE, "a", encoding="utf-8") as sink:
         for problem, arm in todo:
             try:
-                row = _answer(suite, backend, problem, arm, max_tokens, temperature)
+                row = _answer(suite, backend, problem, arm, max_tokens, temperature, likelihood)
             except BackendUnavailable:
                 raise
             except BackendError as err:

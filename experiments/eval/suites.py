@@ -106,6 +106,8 @@ BUILTIN = {
     "humaneval": "experiments.eval.humaneval:HumanEvalSuite",
     "humaneval-chat": "experiments.eval.humaneval:humaneval_chat",
     "humaneval-rewrite": "experiments.eval.humaneval:HumanEvalRewriteSuite",
+    "arith": "experiments.eval.synthetic:ArithmeticSuite",
+    "lookup": "experiments.eval.synthetic:LookupSuite",
 }
 
 
