@@ -13,6 +13,7 @@ Nothing here imports Ray or torch.
 
 from __future__ import annotations
 
+import json
 import time
 from functools import lru_cache
 from typing import Any, Sequence
@@ -194,3 +195,11 @@ def models_body(served_name: str, owned_by: str = "specserve", created: int | No
         "object": "list",
         "data": [{"id": served_name, "object": "model", "created": created or 0, "owned_by": owned_by}],
     }
+
+
+def sse(body: dict[str, Any]) -> str:
+    """One server-sent event carrying `body`."""
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

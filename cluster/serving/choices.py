@@ -15,7 +15,10 @@ from typing import Any
 from actors.timing import add, hops
 from cluster.serving.bodies import TokenText, chat_logprobs, completion_logprobs, merge_speculative, usage_body
 from cluster.serving.decoder import DecodeJob, Finished, TextDelta
+from cluster.serving.errors import APIError
 from cluster.serving.protocol import INT64_MAX, INT64_MIN
+
+UNIT_FIELDS = {"structured": "response_format"}  # a unit's name of a field (`SamplingParams`) -> the request's
 
 
 def choice_seed(seed: int | None, j: int) -> int | None:
@@ -23,6 +26,31 @@ def choice_seed(seed: int | None, j: int) -> int | None:
     if seed is None:
         return None
     return (seed + j - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def refusal(message: str) -> APIError:
+    """The 400 for a job a unit refused: its ValueError's message names the field first ("field: why")."""
+    field, _, why = message.partition(":")
+    if not why or not field.isidentifier():
+        return APIError(message, code="invalid_value")
+    param = UNIT_FIELDS.get(field, field)
+    return APIError(f"{param}:{why}", param=param, code="invalid_value")
+
+
+async def read_ahead(streams: Sequence[AsyncIterator]) -> list[AsyncIterator]:
+    """Each stream's first event read now, so a job its unit refuses is a 400 before a response starts; the
+    streams again, each first event put back in front."""
+    firsts = await asyncio.gather(*(s.__anext__() for s in streams))
+    refused = next((f for f in firsts if isinstance(f, Finished) and f.refused), None)
+    if refused is not None:
+        raise refusal(refused.error)
+    return [_replayed(first, stream) for first, stream in zip(firsts, streams)]
+
+
+async def _replayed(first, events: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for event in events:
+        yield event
 
 
 @dataclass

@@ -60,6 +60,7 @@ class Finished:
     unit: str
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # a non-streaming job's, one per output token, when asked
+    refused: bool = False  # the unit refused the job before it ran (a ValueError naming the field): a 4xx
 
 
 def policy_actor_name(app_name: str) -> str:
@@ -136,7 +137,7 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
     stream = coordinator.generate(request)
     tokens: list[int] = []
     logprobs: list[TokenLogprob] | None = [] if job.params.logprobs is not None else None
-    last = None
+    last, refused = None, None
     try:
         async for chunk in stream:
             if chunk.token_ids and not assembler.stopped:
@@ -159,8 +160,15 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
                 await coordinator.abort(job.request_id)
                 last = await _final_chunk(stream)
                 break
+    except ValueError as err:  # the unit refused the job before it ran (its message names the field)
+        if tokens:
+            raise
+        refused = str(err)
     finally:
         await stream.aclose()  # a no-op after the final chunk; otherwise the coordinator aborts the sequence
+    if refused is not None:
+        yield Finished("error", (), "", None, None, unit, error=refused, refused=True)
+        return
     reason = "stop" if assembler.stopped else (last.finish_reason if last is not None else "abort")
     record = last.record if last is not None else None
     t = time.perf_counter()

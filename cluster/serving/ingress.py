@@ -13,7 +13,6 @@ message (an earlier chunk's is encoded while the unit works on). Every status: d
 
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -32,8 +31,9 @@ from cluster.config import parse_config
 from cluster.serving import openapi
 from cluster.serving.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError
 from cluster.serving.audit import AuditRunner, AuditSampler
-from cluster.serving.bodies import TokenText, choice_body, chunk_body, completion_body, models_body
-from cluster.serving.choices import Choice, choice_seed, merged, openai_reason, usage
+from cluster.serving.bodies import (SSE_DONE, TokenText, choice_body, chunk_body, completion_body, models_body,
+                                    sse)
+from cluster.serving.choices import Choice, choice_seed, merged, openai_reason, read_ahead, refusal, usage
 from cluster.serving.decoder import DecodeJob, Finished, TextDelta, UnitStarted, policy_actor_name, policy_kwargs
 from cluster.serving.failures import (
     UNIT_LOST,
@@ -75,13 +75,6 @@ async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResp
         status_code=err.status_code,
         headers=getattr(err, "headers", None),
     )
-
-
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 class AfterJSONResponse(JSONResponse):
@@ -241,11 +234,15 @@ class OpenAIIngress:
         prompt_tokens = sum(len(p) for p in prompts)
         headers = {ARM_RESPONSE_HEADER: arm.name}
         events = [e for e, _ in started]
-        if body.stream:
-            stream = self._stream(request_id, choices, events, body, deadline, timing, prompt_tokens)
-            return ClosingStreamingResponse(stream, media_type="text/event-stream", headers=headers)
+        sources, streaming = [deadline.timed(e) for e in events], False
         try:
-            async for i, event in merged([deadline.timed(e) for e in events]):
+            if body.stream and any(c.job.params.structured is not None for c in choices):
+                sources = await read_ahead(sources)  # the unit compiles the grammar: a refusal is still a 400
+            if body.stream:
+                streaming = True
+                stream = self._stream(request_id, choices, events, sources, body, deadline, timing, prompt_tokens)
+                return ClosingStreamingResponse(stream, media_type="text/event-stream", headers=headers)
+            async for i, event in merged(sources):
                 choices[i].add(event)
         except asyncio.TimeoutError:
             raise deadline.error() from None
@@ -253,9 +250,11 @@ class OpenAIIngress:
             await asyncio.gather(*(self._forget(c.job) for c in choices))
             raise unit_lost(err) from None
         finally:
-            for e in events:  # a no-op once finished; frees the sequences if this handler is cancelled or late
+            for e in events if not streaming else ():  # a no-op once finished; frees the sequences otherwise
                 e.cancel()
         for c in choices:
+            if c.finished is not None and c.finished.refused:
+                raise refusal(c.finished.error)
             if c.finished is None or c.finished.finish_reason == "error":
                 raise unit_failed(c.finished.error if c.finished else "the unit ended the stream")
         start = time.perf_counter()
@@ -305,7 +304,7 @@ class OpenAIIngress:
             raise RuntimeError(f"unit protocol: expected UnitStarted, got {type(first).__name__}")
         return events, first.started_s - sent
 
-    async def _stream(self, request_id: str, choices: list[Choice], events, body, deadline: Deadline,
+    async def _stream(self, request_id: str, choices: list[Choice], events, sources, body, deadline: Deadline,
                       timing: dict[str, Any], prompt_tokens: int) -> AsyncIterator[str]:
         created = int(time.time())
         model, chat = body.model, choices[0].chat
@@ -313,7 +312,7 @@ class OpenAIIngress:
 
         def chunk(index: int, **fields) -> str:
             start = time.perf_counter()
-            event = _sse(chunk_body(request_id, model, created, chat=chat, index=index, **fields))
+            event = sse(chunk_body(request_id, model, created, chat=chat, index=index, **fields))
             if done == len(choices):
                 timing["sse"] += time.perf_counter() - start
             return event
@@ -324,7 +323,7 @@ class OpenAIIngress:
                     yield chunk(c.index, role=True)
                 elif c.echo:
                     yield chunk(c.index, text=c.echo)
-            async for i, event in merged([deadline.timed(e) for e in events]):
+            async for i, event in merged(sources):
                 c = choices[i]
                 if isinstance(event, TextDelta) and (event.text or event.logprobs):
                     yield chunk(c.index, text=event.text, logprobs=c.render_logprobs(event.logprobs, self.token_text))
@@ -340,20 +339,20 @@ class OpenAIIngress:
                           False)
             if failed is not False:
                 message = failed.error if failed else "the unit ended the stream"
-                yield _sse(error_body(f"generation failed: {message}", type="server_error", code="unit_failed"))
+                yield sse(error_body(f"generation failed: {message}", type="server_error", code="unit_failed"))
             elif body.include_usage:
                 yield chunk(0, usage=usage(choices, timing, prompt_tokens), no_choices=True)
             yield SSE_DONE
         except asyncio.TimeoutError:
-            yield _sse(deadline.error().body())
+            yield sse(deadline.error().body())
             yield SSE_DONE
         except UNIT_LOST as err:
             await asyncio.gather(*(self._forget(c.job) for c in choices))
-            yield _sse(unit_lost(err).body())
+            yield sse(unit_lost(err).body())
             yield SSE_DONE
         except Exception as err:  # the status line is sent already: report in-band, then end the stream
             logger.exception("request %s: stream failed", request_id)
-            yield _sse(error_body(f"generation failed: {err}", type="server_error", code="stream_failed"))
+            yield sse(error_body(f"generation failed: {err}", type="server_error", code="stream_failed"))
             yield SSE_DONE
         finally:
             for e in events:  # client gone (or done): the unit aborts each sequence and frees its caches

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from openai_checks import check_logprobs, check_rules
 from served_app import assert_timing, decoder_stats, served_app
 
 pytestmark = pytest.mark.slow
@@ -370,4 +371,10 @@ def test_streamed_choices_interleave_and_each_ends_once(client):
         assert "".join(c.delta.content or "" for c in mine) == whole.choices[index].message.content
         assert [c.finish_reason for c in mine if c.finish_reason] == [whole.choices[index].finish_reason]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert _wait_idle()["active_requests"] == []
+
+
+def test_logprobs_and_rules_under_speculation_equal_target_only(client, smollm2_tokenizer):
+    check_logprobs(client, MODEL, {ARM: "exact"}, smollm2_tokenizer, tol=1e-4)
+    check_rules(client, MODEL, {ARM: "exact"}, smollm2_tokenizer)
     assert _wait_idle()["active_requests"] == []

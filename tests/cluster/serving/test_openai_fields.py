@@ -119,3 +119,48 @@ def test_usage_over_choices():
     assert merged["acceptance_rate"] == 0.8 and merged["mean_accepted_length"] == 2.0
     assert (merged["gamma_min"], merged["gamma_max"], merged["gamma_mean"]) == (2, 4, 2.5)
     assert merged["timing_s"] == {"tokenize": 0.3, "queue": None} and merged["choices"] == [one, two]
+
+
+def test_a_units_refusal_names_the_requests_field():
+    from cluster.serving.choices import refusal
+
+    error = refusal("structured: the schema cannot be compiled (unsupported keyword)")
+    assert (error.status, error.param) == (400, "response_format")
+    assert error.message.startswith("response_format: the schema")
+    assert refusal("logit_bias: token ids must be < 100").param == "logit_bias"
+    assert refusal("something went wrong").param is None
+
+
+def test_merged_streams_and_read_ahead():
+    import asyncio
+
+    from cluster.serving.choices import merged, read_ahead
+    from cluster.serving.decoder import Finished
+
+    async def events(*items, fail=None):
+        for item in items:
+            await asyncio.sleep(0)
+            yield item
+        if fail is not None:
+            raise fail
+
+    async def run():
+        got = [pair async for pair in merged([events("a", "b"), events("c")])]
+        assert sorted(got) == [(0, "a"), (0, "b"), (1, "c")] and [e for i, e in got if i == 0] == ["a", "b"]
+        try:
+            _ = [pair async for pair in merged([events("a", fail=RuntimeError("gone")), events("c", "d")])]
+        except RuntimeError as err:
+            assert str(err) == "gone"
+        else:
+            raise AssertionError("the failing stream's error must end the merge")
+        again = await read_ahead([events("x", "y")])
+        assert [e async for e in again[0]] == ["x", "y"]
+        refused = Finished("error", (), "", None, None, "u", error="structured: no", refused=True)
+        try:
+            await read_ahead([events("x"), events(refused)])
+        except APIError as err:
+            assert err.param == "response_format"
+        else:
+            raise AssertionError("a refused job must be a 400 before the response starts")
+
+    asyncio.run(run())
