@@ -122,11 +122,12 @@ class DrafterBackend(Protocol):
 @dataclass(frozen=True)
 class RowRules:
     """A row's rules on the target's logits (`policies.penalties`) and the context they read: the request's
-    prompt and its output before this round's block."""
+    prompt and its output before this round's block; and its grammar's allowed tokens at each position."""
 
-    penalties: Penalties
+    penalties: Penalties | None
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    grammar_mask: torch.Tensor | None = None  # [k+1, ceil(V / 32)] int32 bitmask (`actors.grammar`), None: any
 
 
 @dataclass(frozen=True)

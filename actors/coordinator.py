@@ -20,17 +20,18 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
-from actors.contracts import (DraftBatch, DraftRequest, DrafterBackend, Engine, RoundReport, TargetBackend, TargetBatch,
+from actors.contracts import (DraftBatch, DraftRequest, DrafterBackend, Engine, RoundReport, TargetBackend,
                               TargetResult, TargetUnavailable, split_result)
+from actors.grammar import Grammars
 from actors.prefill import PrefillChunk, prefill_batch
 from actors.policy import UnitPolicy
 from actors.requests import (EXACT, ArmSpec, GenerationChunk, GenerationRequest, GenerationResult, SamplingParams,
                              collect)
-from actors.scheduler import RowOutcome, Scheduler, SequenceState, round_rules, trim_drafts
+from actors.rules import decode_batch
+from actors.scheduler import RowOutcome, Scheduler, SequenceState
 from actors.stats import LoopObserver, NullObserver, RoundRecord, RowRecord
 from actors.timing import END_DEFERRED
-from actors.verification import (asd_batches, asd_outcomes, attach_logprobs, exact_outcomes, first_token,
-                                  relaxed_sampled)
+from actors.verification import asd_batches, asd_outcomes, attach_logprobs, exact_outcomes, first_token
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,18 @@ class Coordinator:
     def __init__(self, *, target: TargetBackend, drafter: DrafterBackend | None, policy: UnitPolicy,
                  eos_token_ids: Sequence[int] = (), max_seq_len: int = 2048, max_batch_size: int = 64,
                  unit: str = "local", observer: LoopObserver | None = None, clock=time.time,
-                 vocab_size: int | None = None, prefill_chunk_tokens: int | None = None):
+                 vocab_size: int | None = None, prefill_chunk_tokens: int | None = None,
+                 tokenizer_source: str | None = None):
         self.target, self.drafter, self.policy = target, drafter, policy
         self.eos = frozenset(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.unit = unit
         self.observer = observer or NullObserver()
         self.clock = clock
+        grammars = Grammars(tokenizer_source, vocab_size, self.eos) if tokenizer_source and vocab_size else None
         self.scheduler = Scheduler(max_batch_size=max_batch_size, max_seq_len=max_seq_len, vocab_size=vocab_size,
-                                   clock=clock, prefill_chunk_tokens=prefill_chunk_tokens, eos=self.eos)
+                                   clock=clock, prefill_chunk_tokens=prefill_chunk_tokens, eos=self.eos,
+                                   grammars=grammars)
         self._drafter_recovery: asyncio.Future | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -242,14 +246,8 @@ class Coordinator:
         t_draft = time.perf_counter()
         draft, draft_s = await self._draft(rows, gammas)  # 2. draft
         t_batch = time.perf_counter()
+        batch, draft = decode_batch(rows, draft)  # drafts cut where a row's rules or grammar refuse them
         lens = draft.draft_lens.tolist()
-        batch = TargetBatch(
-            seq_ids=[s.rid for s in rows], crops=[s.crop for s in rows],
-            tokens=[[s.tokens[-1]] + draft.draft_ids[b, : lens[b]].tolist() for b, s in enumerate(rows)],
-            draft_ids=draft.draft_ids, draft_lens=draft.draft_lens,
-            sampling=[s.request.params.spec() for s in rows], draft_probs=draft.draft_probs,
-            relaxed_sampled=relaxed_sampled(rows), **round_rules(rows),
-        )
         if chunks:  # prompt chunks ride in the same forward, after the decode rows
             batch = prefill_batch(chunks, batch)
         t_score = time.perf_counter()
@@ -311,7 +309,7 @@ class Coordinator:
             for i, _ in asks:
                 rows[i].book.degraded = True
             return DraftBatch.empty(len(rows)), time.perf_counter() - start
-        return trim_drafts(sub.scatter([i for i, _ in asks], len(rows)), rows), time.perf_counter() - start
+        return sub.scatter([i for i, _ in asks], len(rows)), time.perf_counter() - start
 
     def _drafter_ready(self) -> bool:
         """False while a failed drafter is being restarted; rounds meanwhile decode target-only."""

@@ -36,7 +36,7 @@ class Prefilling(Protocol):
     @property
     def rid(self) -> str: ...
 
-    def rules(self) -> RowRules | None: ...  # the rules on the target's logits for the next token
+    def rules(self) -> RowRules | None: ...  # the rules and grammar on the target's logits for the next token
 
 
 @dataclass(frozen=True)

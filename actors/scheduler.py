@@ -3,25 +3,24 @@
 The `Scheduler` owns the waiting queue, the sequences prefilling (a KV slot each, their prompt entering the
 cache a chunk per step, `actors.prefill`), the active batch (prefilling + active ≤ `max_batch_size`), the
 aborts asked for since the last round, and the γ plan (the policy's γ per request, applied next round).
-It checks a request against the engine at enqueue (vocabulary, context), and holds each sequence's rules
-(`policies.penalties.Penalties`, None when the request has none) for the target's rounds.
+It checks a request against the engine at enqueue (vocabulary, context, grammar), and holds each sequence's
+rules (`policies.penalties.Penalties`) and grammar matcher (`actors.grammar`), None when it has none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
-from dataclasses import dataclass, field, replace
-
-import torch
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from actors.bookkeeping import RequestBook
-from actors.contracts import NO_CROP, DraftBatch, RowKey, RowRules
+from actors.contracts import NO_CROP, RowKey, RowRules
+from actors.grammar import Grammars, advance, block_masks, valid_drafts
 from actors.prefill import PrefillChunk, plan_chunks
 from actors.requests import GenerationRequest, SamplingParams, TokenLogprob
 from actors.stats import RequestRecord
-from policies import PAD_TOKEN_ID
 from policies.penalties import Penalties, allowed_drafts
 
 
@@ -50,6 +49,8 @@ class SequenceState:
     prefilled: int = 0  # prompt tokens in the target's KV cache (chunked prefill)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     penalties: Penalties | None = None  # the request's rules on the target's logits, None without any
+    grammar: Any = None  # its grammar's matcher at the committed output (`actors.grammar`), None without one
+    vocab_size: int = 0  # the target's (the grammar's masks cover it)
 
     @property
     def rid(self) -> str:
@@ -71,11 +72,23 @@ class SequenceState:
     def key(self) -> RowKey:
         return RowKey(self.rid, self.request.arm.name, self.book.seeded)
 
-    def rules(self) -> RowRules | None:
-        """The rules the target applies to this row's next block (a copy of the output: it crosses actors)."""
-        if self.penalties is None:
+    def allowed_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts` to verify: up to the first its rules ban or its grammar refuses (the target
+        would reject it, and every draft after it)."""
+        keep = len(drafts)
+        if self.penalties is not None:
+            keep = allowed_drafts(drafts, self.penalties, len(self.output))
+        if self.grammar is not None and keep:
+            keep = valid_drafts(self.grammar, drafts[:keep])
+        return keep
+
+    def rules(self, drafts: Sequence[int] = ()) -> RowRules | None:
+        """What the target applies to this row's block with `drafts` (allowed ones): its rules, and its
+        grammar's masks; None without either. The output is copied: it crosses actors."""
+        if self.penalties is None and self.grammar is None:
             return None
-        return RowRules(self.penalties, self.request.prompt_ids, tuple(self.output))
+        masks = None if self.grammar is None else block_masks(self.grammar, drafts, self.vocab_size)
+        return RowRules(self.penalties, self.request.prompt_ids, tuple(self.output), masks)
 
     def draft_limit(self, max_seq_len: int) -> int:
         return self.book.draft_limit(output_len=len(self.output), context_len=len(self.tokens),
@@ -96,6 +109,8 @@ class SequenceState:
             if len(self.output) + len(out) >= params.max_tokens or base + len(out) >= max_seq_len:
                 reason = "length"
                 break
+        if self.grammar is not None:
+            advance(self.grammar, out, self.rid)
         self.tokens.extend(out)
         self.output.extend(out)
         self.crop = base + outcome.accepted  # KV keeps the old pending token and the accepted drafts
@@ -112,7 +127,7 @@ class Scheduler:
     """Waiting queue, active batch, aborts and the γ plan of one unit."""
 
     def __init__(self, *, max_batch_size: int, max_seq_len: int, vocab_size: int | None, clock,
-                 prefill_chunk_tokens: int | None = None, eos: Collection[int] = ()):
+                 prefill_chunk_tokens: int | None = None, eos: Collection[int] = (), grammars: Grammars | None = None):
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens: must be >= 1 or None, got {prefill_chunk_tokens}")
         self.max_batch_size = max_batch_size
@@ -121,6 +136,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.clock = clock
         self.eos = frozenset(eos)
+        self.grammars = grammars
         self.waiting: list[SequenceState] = []
         self.prefilling: list[SequenceState] = []
         self.active: list[SequenceState] = []
@@ -140,15 +156,18 @@ class Scheduler:
         if self.find(request.request_id) is not None:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self._check_params(request.params)
+        structured = request.params.structured
         seq = SequenceState(request, asyncio.Queue(), list(prompt), RequestBook(request, self.clock()),
-                            penalties=penalties_for(request.params, self.eos))
+                            penalties=penalties_for(request.params, self.eos),
+                            grammar=None if structured is None else self.grammars.matcher(structured),
+                            vocab_size=self.vocab_size or 0)
         self.waiting.append(seq)
         return seq
 
     def _check_params(self, params: SamplingParams) -> None:
         """What only the engine can check: token ids within its vocabulary; ValueError naming the field."""
-        if params.structured is not None:
-            raise ValueError("structured: the native engine does not support structured output yet")
+        if params.structured is not None and (self.grammars is None or not self.vocab_size):
+            raise ValueError("structured: this unit has no tokenizer to compile a grammar with")
         vocab = self.vocab_size
         if vocab is not None:
             for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
@@ -244,30 +263,3 @@ def penalties_for(params: SamplingParams, eos: Collection[int]) -> Penalties | N
                          min_tokens=params.min_tokens, stop_ids=stops)
     return rules if rules.active else None
 
-
-def round_rules(rows: list[SequenceState]) -> dict:
-    """A round's `TargetBatch` fields for its rows' rules and logprobs (rows without either cost nothing)."""
-    rules = {b: s.rules() for b, s in enumerate(rows) if s.penalties is not None}
-    logprobs = {b: s.request.params.logprobs for b, s in enumerate(rows) if s.request.params.logprobs is not None}
-    return {"rules": rules, "logprobs": logprobs}
-
-
-def trim_drafts(draft: DraftBatch, rows: list[SequenceState]) -> DraftBatch:
-    """Each row's drafts cut before the first token its rules ban at its position (`allowed_drafts`): the
-    target would reject it, and every draft after it."""
-    lens = draft.draft_lens.tolist()
-    cuts = {}
-    for b, seq in enumerate(rows):
-        if seq.penalties is not None and lens[b]:
-            keep = allowed_drafts(draft.draft_ids[b, : lens[b]].tolist(), seq.penalties, len(seq.output))
-            if keep < lens[b]:
-                cuts[b] = keep
-    if not cuts:
-        return draft
-    ids, new_lens = draft.draft_ids.clone(), draft.draft_lens.clone()  # [B, Kmax], [B]
-    for b, keep in cuts.items():
-        ids[b, keep:] = PAD_TOKEN_ID
-        new_lens[b] = keep
-    confidence = None if draft.confidence is None else draft.confidence * (
-        torch.arange(ids.shape[1]) < new_lens[:, None])  # [B, Kmax], 0 past a row's drafts
-    return replace(draft, draft_ids=ids, draft_lens=new_lens, confidence=confidence)

@@ -5,7 +5,8 @@ speculative sampling (`verify_sampled`) for sampled rows, all in one batched cal
 generator on the device; `SampledScores` (`policies.asd_sampled.sampled_scores`) for relaxed sampled rows
 (`TargetBatch.relaxed_sampled`), one row at a time since each has its own ASD config (a host sync each; they are
 opt-in and rare). Rows with rules (`TargetBatch.rules`) are verified on their penalised logits
-(`policies.penalties.penalise_block`, position by position with the block's drafts before it); rows that ask
+(`policies.penalties.penalise_block`, position by position with the block's drafts before it), masked by their
+grammar where they have one (`apply_bitmask`; logprobs are taken after the grammar, before the rest); rows that ask
 for logprobs get the raw ones (`BlockLogprobs`) of every token they may emit, gathered once the round is
 decided (a second transfer, only in rounds that have such rows). The round's inputs go to the device in one
 copy per dtype and the results come back in one (`actors.devices`), so a GPU target syncs with the host once
@@ -26,7 +27,7 @@ from actors.devices import to_device, to_host
 from actors.sampling import SamplingSpec
 from policies.asd_sampled import SampledScores, sampled_scores
 from policies.exact import draw_uniforms, process_logits, verify_sampled
-from policies.penalties import BlockLogprobs, gather_candidates, penalise_block, raw_logprobs
+from policies.penalties import BlockLogprobs, apply_bitmask, gather_candidates, penalise_block, raw_logprobs
 from policies.scores import TargetScores, compact_scores
 from policies.verdict import check_draft, check_vocab_range, positions
 
@@ -44,8 +45,10 @@ def score_round(logits: Tensor, batch: TargetBatch, generator_for: GeneratorFor,
     if logits.shape[1] < k + 1:  # positions no row drafted: never read, padded for the block shape
         logits = torch.nn.functional.pad(logits, (0, 0, 0, k + 1 - logits.shape[1]))
     rows = logits[:, : k + 1]  # [B, K+1, V]
-    raw = _raw(rows, batch)  # before any rule
-    if batch.rules:
+    if any(r.grammar_mask is not None for r in batch.rules.values()):
+        rows = _grammar_masked(rows, batch)  # before logprobs, as vLLM masks before its sampler
+    raw = _raw(rows, batch)  # before any other rule
+    if any(r.penalties is not None for r in batch.rules.values()):
         rows = _penalised(rows, batch, lens)
     sampled = [b for b, spec in enumerate(batch.sampling) if not spec.greedy and b not in batch.relaxed_sampled]
     specs = [batch.sampling[b] for b in sampled]
@@ -107,10 +110,20 @@ def _raw(rows: Tensor, batch: TargetBatch) -> tuple[list[int], Tensor, Tensor, T
     return asking, *raw_logprobs(rows[index], max(batch.logprobs.values()))
 
 
+def _grammar_masked(rows: Tensor, batch: TargetBatch) -> Tensor:
+    """`rows` [B, K+1, V] with -inf where a row's grammar refuses a token (a copy), at its block's positions."""
+    out = rows.clone()
+    for b, rule in batch.rules.items():
+        if rule.grammar_mask is not None:
+            n = rule.grammar_mask.shape[0]  # k_b + 1
+            out[b, :n] = apply_bitmask(rows[b, :n], rule.grammar_mask.to(rows.device))
+    return out
+
+
 def _penalised(rows: Tensor, batch: TargetBatch, lens: Tensor) -> Tensor:
     """`rows` [B, K+1, V] with each ruled row's block penalised (a copy; the raw logits stay as they were)."""
     out, device = rows.clone(), rows.device
-    for b, rule in batch.rules.items():
+    for b, rule in ((b, r) for b, r in batch.rules.items() if r.penalties is not None):
         drafts = batch.draft_ids[b, : int(lens[b])]  # [k_b] host
         ids = [torch.as_tensor(list(x), dtype=torch.long) for x in (rule.prompt_ids, rule.output_ids)]
         prompt, output, drafts = (t.to(device) for t in (*ids, drafts))

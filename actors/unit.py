@@ -92,7 +92,7 @@ def build_unit(*, unit: str, target: TargetSetup, drafter: DrafterSetup = Drafte
         target=target_backend, drafter=drafter_backend, policy=policy or LocalPolicy(PolicyCore(), unit=unit),
         eos_token_ids=info["eos_token_ids"] if eos_token_ids is None else eos_token_ids, max_seq_len=max_seq_len,
         max_batch_size=target.max_slots, unit=unit, observer=observer, vocab_size=info["vocab_size"],
-        prefill_chunk_tokens=target.prefill_chunk_tokens,
+        prefill_chunk_tokens=target.prefill_chunk_tokens, tokenizer_source=target.source,
     )
 
 

@@ -105,6 +105,18 @@ def penalise_block(
     return z
 
 
+def apply_bitmask(
+    logits: torch.Tensor,  # [T, V] float
+    bitmask: torch.Tensor,  # [T, ceil(V / 32)] int32, same device
+) -> torch.Tensor:  # [T, V], a new tensor
+    """`logits` with -inf wherever the bitmask's bit is 0: token j is bit j % 32 of word j // 32 (xgrammar's
+    layout), 1 allowing it."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    allowed = ((bitmask[..., None] >> shifts) & 1).flatten(-2)[..., :vocab].bool()  # [T, V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def allowed_drafts(draft_ids: Sequence[int], rules: Penalties, output_len: int) -> int:
     """How many of a row's drafts to keep: up to the first one its rules ban at its position
     (`Penalties.banned`), since the target would reject it anyway."""

@@ -33,7 +33,7 @@ class Seq:
     def prefill_end(self):
         return len(self.request.prompt_ids)
 
-    def rules(self):
+    def rules(self, drafts=()):
         return None
 
 
