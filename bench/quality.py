@@ -1,20 +1,22 @@
 """Task quality per arm: the bench's `quality` section and the (g, M, B) grid that chooses the default ASD arm.
 
-Both run `specserve eval` (`experiments.eval`) in-process: a task suite answered by every arm, scored by its
-tests and compared with the exact reference arm paired by problem (why task quality rather than agreement with
-exact output: docs/experiments.md).
+Both run `specserve eval`'s protocol (`experiments.eval.protocol`) in-process: every arm answers a selection
+split of the suite's problems, one ASD arm is chosen there by a fixed rule, and the exact reference and the
+chosen arm answer the held-out split once; only the held-out comparison (score, McNemar, hash divergence, NLL
+under the target, speed) is quoted. Why task quality and this protocol: docs/experiments.md.
 
 - `quality_section(config, ...)`: the bench section (the config's arms plus the plan's extra ASD settings);
   `summary_entry(section)` is the summary key `asd_quality_delta`, `markdown(section)` the report's part.
 - `grid_config(config, settings)`: the config with its exact reference arm and one ASD arm per setting,
   named by the setting's label (`g2_M2_B8`).
-- `python -m bench.quality CONFIG --suite S --limit N --out DIR [--settings g2_M2_B8,...]
+- `python -m bench.quality CONFIG --suite S --limit N --out DIR [--settings g2_M2_B8,...] [--split-seed S]
   [--torch-threads 1]`: the grid run (resumable: rerun the same command).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import shutil
@@ -78,26 +80,31 @@ def grid_config(config, settings: Sequence[ASDSetting], keep_arms: bool = False)
 
 
 def run_eval(config, suite_name: str, out_dir: Path, *, limit: int | None = None, max_tokens: int | None = None,
-             resamples: int = 2000, progress: Callable[[str], None] | None = None) -> dict:
-    """Every arm of `config` on `suite_name` in-process, reference first; rows resume from `out_dir`. Writes
-    the eval's results.json, report.md and frontier.png there and returns the report (`specserve.eval/v1`)."""
+             resamples: int = 2000, split_seed: int = 0, nll: bool = True,
+             progress: Callable[[str], None] | None = None) -> tuple[dict, dict]:
+    """The protocol on every arm of `config` in-process, reference first; rows resume from `out_dir`. Returns
+    (protocol result, the report quoted: the held-out one, or the selection one when no ASD arm was chosen)."""
     from experiments.eval.backends import InProcessBackend
-    from experiments.eval.report import build_eval_report, write_outputs
-    from experiments.eval.runner import read_rows, run_suite
+    from experiments.eval.protocol import protocol_markdown, run_protocol
+    from experiments.eval.report import read_eval_report
     from experiments.eval.suites import load_suite
 
     suite = load_suite(suite_name)
     arms = [a.name for a in config.arms]
+    likelihood = None
+    if nll:
+        from experiments.eval.likelihood import TargetLikelihood
+
+        likelihood = TargetLikelihood(config.target.source).nll
     backend = InProcessBackend(config)
     try:
-        run_suite(suite, backend, arms, out_dir, limit=limit, max_tokens=max_tokens, progress=progress)
-        settings = backend.arm_settings()
+        result = run_protocol(suite, backend, arms, out_dir, reference=reference_arm(config), limit=limit,
+                              split_seed=split_seed, max_tokens=max_tokens, likelihood=likelihood,
+                              resamples=resamples, progress=progress)
     finally:
         backend.close()
-    report = build_eval_report(read_rows(out_dir), suite=suite.name, binary=bool(suite.binary), arms=arms,
-                               reference=reference_arm(config), arm_settings=settings, resamples=resamples)
-    write_outputs(out_dir, report)
-    return report
+    (Path(out_dir) / "protocol.md").write_text(protocol_markdown(result))
+    return result, read_eval_report(result.get("held_out_dir") or result["selection_dir"])
 
 
 # ------------------------------------------------------------------------------------------------ the bench
@@ -110,28 +117,46 @@ def quality_section(config, *, suite: str, problems: int, max_tokens: int | None
     Without `resume`, rows of an earlier run in `out_dir` are discarded (the eval runner would resume them)."""
     if not resume and out_dir.exists():
         shutil.rmtree(out_dir)
+    from experiments.eval.protocol import PROTOCOL_FILE, ProtocolError
+    from experiments.eval.report import read_eval_report
+
     grid = grid_config(config, settings, keep_arms=True)
-    report = run_eval(grid, suite, out_dir, limit=problems, max_tokens=max_tokens, progress=progress)
+    stopped = None
+    try:
+        protocol, report = run_eval(grid, suite, out_dir, limit=problems, max_tokens=max_tokens, progress=progress)
+    except ProtocolError as err:  # the held-out split stays unjudged; the section says why
+        stopped = str(err)
+        protocol = json.loads((out_dir / PROTOCOL_FILE).read_text())
+        report = read_eval_report(protocol["selection_dir"])
     return {"suite": report["suite"], "problems": problems, "max_tokens": max_tokens, "eval_dir": str(out_dir),
-            "report": report}
+            "protocol": protocol, "report": report, "stopped": stopped}
 
 
 def summary_entry(section: dict) -> dict:
-    """`asd_quality_delta`: per ASD arm, {delta, ci95, mcnemar_p, n, speed_ratio, settings, suite, reference}."""
+    """`asd_quality_delta`: for the arm chosen on the selection split, its held-out {delta, ci95, mcnemar_p, n,
+    speed_ratio, settings, suite, reference}; {} when no arm was judged on held-out problems (selection figures
+    are never quoted)."""
     from experiments.eval.report import asd_quality_delta
 
+    protocol = section.get("protocol")
+    if protocol is not None and not protocol.get("held_out"):
+        return {}
     return asd_quality_delta(section["report"])
 
 
 def markdown(section: dict) -> list[str]:
-    """The report's lines for the section."""
+    """The report's lines for the section: the protocol's summary, then the quoted (held-out) comparison."""
+    from experiments.eval.protocol import protocol_markdown
     from experiments.eval.report import quality_section as table
 
     report = section["report"]
     title = f"## Task quality per arm (`specserve eval`, {report['suite']}, first {section['problems']} problems)"
     note = ("Greedy answers scored by the suite's tests; Δ is the arm's pass rate minus the reference's in points. "
-            f"Rows, report and frontier plot: `{section['eval_dir']}`.")
-    return ["", title, "", table(report)["markdown"].rstrip("\n"), "", note]
+            f"Rows, reports and frontier plots (selection/, held-out/): `{section['eval_dir']}`.")
+    head = [protocol_markdown(section["protocol"]).rstrip("\n"), ""] if section.get("protocol") else []
+    if section.get("stopped"):
+        head += [f"**Not judged on held-out problems:** {section['stopped']}. The table is the selection split's.", ""]
+    return ["", title, "", *head, table(report)["markdown"].rstrip("\n"), "", note]
 
 
 # ------------------------------------------------------------------------------------------------ the grid
@@ -149,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            + ", ".join(s.label for s in DEFAULT_GRID) + ")")
     parser.add_argument("--out", type=Path, help="output directory (default specserve-eval/grid-SUITE)")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of the selection/held-out split")
+    parser.add_argument("--no-nll", action="store_true", help="skip scoring each output's NLL under the target")
     parser.add_argument("--torch-threads", type=int, help="override the config's unit.torch_threads (on a busy "
                                                           "CPU, 1: threads waiting on preempted threads inflate "
                                                           "every multi-token forward)")
@@ -156,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from cluster.config import load_config
+    from experiments.eval.protocol import ProtocolError, protocol_markdown
     from experiments.eval.report import quality_section as table
 
     torch.set_num_threads(1)  # the unit sets its own (config.unit.torch_threads); keep import-time pools small
@@ -168,13 +196,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = type(config).model_validate(data)
         config = grid_config(config, settings)
         out = args.out or Path("specserve-eval") / f"grid-{args.suite.replace(':', '_')}"
-        report = run_eval(config, args.suite, out, limit=args.limit, max_tokens=args.max_tokens,
-                          resamples=args.resamples, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        protocol, report = run_eval(config, args.suite, out, limit=args.limit, max_tokens=args.max_tokens,
+                                    resamples=args.resamples, split_seed=args.split_seed, nll=not args.no_nll,
+                                    progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (ValueError, FileNotFoundError) as err:
         print(f"bench.quality: {err}", file=sys.stderr)
         return 2
-    sys.stdout.write(table(report)["markdown"])
-    print(f"wrote {out}/results.json, report.md, frontier.png", file=sys.stderr)
+    except ProtocolError as err:
+        print(f"bench.quality: protocol stopped: {err}", file=sys.stderr)
+        return 1
+    sys.stdout.write(protocol_markdown(protocol) + "\n" + table(report)["markdown"])
+    print(f"wrote {out}/protocol.json, protocol.md, selection/, held-out/", file=sys.stderr)
     return 0
 
 

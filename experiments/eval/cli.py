@@ -3,6 +3,12 @@
     specserve eval CONFIG      --suite humaneval --arms exact,asd [--limit N] [--out DIR]    (in-process)
     specserve eval --url URL   --suite humaneval-rewrite --arms exact,asd [--limit N]       (a running service)
     specserve eval --out DIR   --report-only                                                 (rebuild the report)
+    specserve eval CONFIG      --suite arith --arms exact,a,b,c --protocol [--split-seed S]  (choose, then judge)
+
+`--protocol` (`experiments.eval.protocol`): the arms answer a selection split, one is chosen by a fixed rule, and
+the reference and the chosen arm answer the held-out split once; `DIR/protocol.json` and `DIR/protocol.md` hold
+the split, the verdicts and the held-out figures (only these are to be quoted). In-process, each output's NLL
+under the target is scored with the config's target (`--no-nll` skips it; over --url, `--nll-source SOURCE`).
 
 Progress goes to stderr; rows are saved as they come and rerunning the same command resumes. Writes
 `DIR/results.json`, `DIR/report.md`, `DIR/frontier.png` and prints the quality table. Exit status: 0 done; 1
@@ -48,6 +54,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request (default %(default)s)")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from DIR/rows.jsonl")
+    parser.add_argument("--protocol", action="store_true",
+                        help="choose an arm on a selection split, judge it once on the held-out split")
+    parser.add_argument("--split-seed", type=int, default=0, help="seed of the selection/held-out split")
+    parser.add_argument("--held-out-share", type=float, default=0.5, help="share of problems held out (0.5)")
+    parser.add_argument("--margin", type=float, default=5.0,
+                        help="score points an arm may lose on the selection split and stay eligible (5)")
+    parser.add_argument("--no-nll", action="store_true", help="skip scoring each output's NLL under the target")
+    parser.add_argument("--nll-source", help="target model to score NLL with (default: the config's target; "
+                                             "over --url none unless given)")
     return parser
 
 
@@ -112,8 +127,11 @@ def run(args: argparse.Namespace) -> int:
             reference = reference or arms[0]
         if reference not in arms:
             raise ValueError(f"reference: {reference!r} is not one of --arms {arms}")
+        likelihood = _likelihood(args)
+        if args.protocol:
+            return _protocol(suite, backend, arms, reference, out_dir, args, likelihood)
         info = run_suite(suite, backend, arms, out_dir, limit=args.limit, max_tokens=args.max_tokens,
-                         temperature=args.temperature, progress=_say)
+                         temperature=args.temperature, progress=_say, likelihood=likelihood)
     except BackendUnavailable as err:
         _say(f"specserve eval: {err}")
         return 2
@@ -137,6 +155,41 @@ def run(args: argparse.Namespace) -> int:
         _say(f"specserve eval: {info.errors} requests failed; rerun the same command to retry them")
         return 1
     return code
+
+
+def _likelihood(args: argparse.Namespace):
+    """The NLL scorer: the config's target in-process, `--nll-source` over --url; None with --no-nll."""
+    if args.no_nll:
+        return None
+    source = args.nll_source
+    if source is None and args.config is not None:
+        from cluster.config import load_config
+
+        source = load_config(Path(args.config)).target.source
+    if source is None:
+        return None
+    from experiments.eval.likelihood import TargetLikelihood
+
+    return TargetLikelihood(source).nll
+
+
+def _protocol(suite, backend, arms, reference, out_dir: Path, args: argparse.Namespace, likelihood) -> int:
+    from experiments.eval.protocol import ProtocolError, protocol_markdown, run_protocol
+
+    if args.temperature:
+        raise ValueError("temperature: the protocol compares greedy arms; drop --temperature")
+    try:
+        result = run_protocol(suite, backend, arms, out_dir, reference=reference, limit=args.limit,
+                              split_seed=args.split_seed, held_out_share=args.held_out_share,
+                              margin=args.margin / 100, max_tokens=args.max_tokens, likelihood=likelihood,
+                              resamples=args.resamples, seed=args.seed, progress=_say)
+    except ProtocolError as err:
+        _say(f"specserve eval: protocol stopped: {err}")
+        return 1
+    text = protocol_markdown(result)
+    (out_dir / "protocol.md").write_text(text)
+    sys.stdout.write(text)
+    return 0
 
 
 def _report_quietly(out_dir: Path, reference: str | None, args: argparse.Namespace) -> None:

@@ -120,7 +120,7 @@ def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
     assert run_bench(argv + ["--resume"]) == 0
 
 
-def test_quality_section_scores_every_arm_against_exact(tiny_config, tmp_path):
+def test_quality_section_runs_the_selection_protocol(tiny_config, tmp_path):
     out = tmp_path / "bench"
     # quick leaves the quality section out unless --sections names it
     argv = ["--quick", "--out", str(out), "--sections", "single,quality", "--workloads", "code",
@@ -128,22 +128,24 @@ def test_quality_section_scores_every_arm_against_exact(tiny_config, tmp_path):
     assert run_bench(argv) == 0
     results = json.loads((out / "results.json").read_text())
     quality = results["sections"]["quality"]
-    report = quality["report"]
+    report, protocol = quality["report"], quality["protocol"]
     assert quality["suite"] == "humaneval" and report["reference"] == "exact"
-    assert list(report["arms"]) == ["exact", "asd"] and all(a["n"] == 2 for a in report["arms"].values())
-    # the summary key: per ASD arm, the score difference to exact with its CI (a random model fails every
-    # problem on both arms, so the difference is 0 and so is its whole interval)
-    delta = results["summary"]["asd_quality_delta"]
-    assert set(delta) == {"asd"}
-    entry = delta["asd"]
-    assert entry["delta"] == 0.0 and entry["ci95"] == [0.0, 0.0] and entry["n"] == 2
+    # one problem chooses, one is held out; the split is written
+    assert len(protocol["split"]["selection"]) == 1 and len(protocol["split"]["held_out"]) == 1
+    assert list(report["arms"]) == ["exact", "asd"] and all(a["n"] == 1 for a in report["arms"].values())
+    # a random model never ends within 6 tokens: the protocol stops before the held-out split, says why, and
+    # the summary quotes nothing (selection figures are never quoted)
+    assert protocol["stopped"] == "max_tokens" and "max-tokens" in quality["stopped"]
+    assert report["arms"]["exact"]["measures"]["truncated"] == 1
+    assert results["summary"].get("asd_quality_delta", {}) == {}
     shipped = yaml.safe_load((ROOT / "configs/local.yaml").read_text())["arms"][1]["asd"]
-    assert entry["settings"] == shipped
-    assert entry["reference"] == "exact" and entry["mcnemar_p"] == 1.0 and entry["speed_ratio"] > 0
-    assert "## Task quality per arm" in (out / "report.md").read_text()
-    assert (out / "quality" / "rows.jsonl").is_file() and (out / "quality" / "results.json").is_file()
+    assert report["arms"]["asd"]["settings"]["asd"] == shipped
+    text = (out / "report.md").read_text()
+    assert "## Task quality per arm" in text and "Not judged on held-out problems" in text
+    assert (out / "quality" / "protocol.json").is_file() and (out / "quality" / "selection" / "rows.jsonl").is_file()
+    assert not (out / "quality" / "held-out").exists()
     # without --resume the eval's rows start afresh; with it, the stored section is reused as is
-    assert run_bench(argv) == 0 and len((out / "quality" / "rows.jsonl").read_text().splitlines()) == 4
+    assert run_bench(argv) == 0 and len((out / "quality" / "selection" / "rows.jsonl").read_text().splitlines()) == 2
     again = json.loads((out / "results.json").read_text())["sections"]["quality"]
     assert again["report"]["created"] > report["created"]
     assert run_bench(argv + ["--resume"]) == 0

@@ -246,3 +246,19 @@ def test_closing_after_an_interrupted_request_cancels_it_at_once():
     start = time.perf_counter()
     backend.close()
     assert time.perf_counter() - start < 5 and state == {"cancelled": True, "closed": True}
+
+
+def test_eval_protocol_over_http_chooses_on_selection_and_judges_on_held_out(fake_service, plugin, tmp_path, capsys):
+    out = tmp_path / "protocol"
+    assert main(["--url", fake_service, "--suite", "arith", "--limit", "8", "--arms", "exact,asd", "--protocol",
+                 "--split-seed", "3", "--out", str(out), "--resamples", "200"]) == 0
+    result = json.loads((out / "protocol.json").read_text())
+    assert result["split"]["seed"] == 3 and len(result["split"]["held_out"]) == 4
+    assert result["chosen"] == "asd" and result["held_out"]["n_pairs"] == 4
+    assert (out / "selection" / "results.json").is_file() and (out / "held-out" / "results.json").is_file()
+    assert "Held-out (4 problems, judged once)" in (out / "protocol.md").read_text()
+    # the plug-in's completions are all cut by max_tokens: the held-out split is never used
+    cut = tmp_path / "cut"
+    assert main(["--url", fake_service, "--suite", plugin, "--arms", "exact,asd", "--protocol", "--out", str(cut),
+                 "--resamples", "200"]) == 1
+    assert "max-tokens" in capsys.readouterr().err and not (cut / "held-out").exists()
