@@ -32,6 +32,7 @@ class DraftRequest:
     context: Sequence[int]  # committed tokens: prompt + output so far
     gamma: int  # tokens wanted (≥ 1)
     sampling: SamplingSpec = GREEDY
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) the request adds to the target's logits
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Its vocabulary must equal the target's; `check_vocab` says so at load, naming both models. When any row samples,
 the q rows of every drafted position come back (`draft_probs`), one-hot for greedy rows.
 
-Drafting runs on the engine's device: each step's tokens are chosen there (argmax, or `RowSampler`: every
+A request's logit_bias is added to the drafter's logits too (`DraftRequest.logit_bias`), so it drafts what the
+biased target would rather keep, and no banned token. Drafting runs on the engine's device: each step's tokens are chosen there (argmax, or `RowSampler`: every
 row's distribution in one batched call, each sampled row drawing from its own generator) and fed back as a
 device tensor, so the host waits once per `propose`, when the drafts are brought back.
 """
@@ -84,12 +85,15 @@ class ModelDrafter:
         if any(not s.greedy for s in specs):
             generators = [self._generators.get(sid, spec) for sid, spec in zip(seq_ids, specs)]
             sampler = RowSampler(specs, generators, self.engine.vocab_size, device)
+        bias = _bias([requests[i].logit_bias for i in active], device)
         drafted = torch.zeros(len(active), width, dtype=torch.long, device=device)  # [A, Kmax]
         q_rows = None if sampler is None else torch.zeros(len(active), width, self.engine.vocab_size, device=device)
         for step in range(width):
             live = sum(g > step for g in gammas)
             fed = feeds if step == 0 else drafted[:live, step - 1 : step]  # host lists, then [L, 1] on the device
             z = self.engine.forward(seq_ids[:live], fed, [1] * live)[:, 0]  # [L, V]
+            if bias is not None:
+                z = _add_bias(z, *bias)
             if sampler is None:
                 drafted[:live, step] = z.argmax(dim=-1)
             else:
@@ -112,6 +116,24 @@ class ModelDrafter:
 
     def active_ids(self) -> list[str]:
         return list(self._cached)
+
+
+def _bias(biases: list[tuple[tuple[int, float], ...]], device) -> tuple | None:
+    """Rows' logit biases as (row of each entry, rows [N], token ids [N], biases [N]) on the device, entries in
+    row order; None when no row has one."""
+    entries = [(j, t, b) for j, bias in enumerate(biases) for t, b in bias]
+    if not entries:
+        return None
+    rows, ids, values = zip(*entries)
+    host = [torch.tensor(rows), torch.tensor(ids), torch.tensor(values, dtype=torch.float32)]
+    return (list(rows), *to_device(host, device))
+
+
+def _add_bias(z: torch.Tensor, row_of: list[int], rows: torch.Tensor, ids: torch.Tensor,
+              values: torch.Tensor) -> torch.Tensor:
+    """z [L, V] of the first L drafting rows plus their biases (entries of rows ≥ L are dropped)."""
+    n = sum(r < z.shape[0] for r in row_of)
+    return z.index_put((rows[:n], ids[:n]), values[:n].to(z.dtype), accumulate=True)
 
 
 class RowSampler:

@@ -223,3 +223,13 @@ def test_bad_values_raise_value_errors_naming_the_field(tiny):
         with pytest.raises(ValueError, match=field):
             SamplingParams(max_tokens=4, **kwargs)
     assert coord.active_requests() == [] and coord.target.engine.active_ids() == []
+
+
+def test_a_model_drafter_drafts_under_the_requests_bias(tiny):
+    """The drafter adds the request's logit_bias to its own logits: a +100 token is what it drafts."""
+    from actors.contracts import DraftRequest
+
+    drafter = ModelDrafter(Engine(tiny[1], max_slots=4, max_seq_len=256))
+    batch = drafter.propose([DraftRequest("a", PROMPTS[0], 3, logit_bias=((777, 100.0),)),
+                             DraftRequest("b", PROMPTS[1], 2)])
+    assert batch.draft_ids[0].tolist() == [777, 777, 777] and 777 not in batch.draft_ids[1].tolist()
