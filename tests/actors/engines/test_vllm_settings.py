@@ -16,3 +16,37 @@ def test_the_worker_rebuilds_the_arm_the_unit_sent(gate):
     params = SimpleNamespace(temperature=0.0, max_tokens=5, seed=None)
     rebuilt = _request(request_settings(request, speculate=True), params, [1, 2, 3])
     assert rebuilt.arm == arm and rebuilt.arm.asd.gate == gate
+
+
+def test_vllm_params_carry_the_contract_and_the_bias_goes_where_vllm_cannot_apply_it():
+    import json
+
+    from vllm.logprobs import Logprob
+
+    from actors.engines.vllm.sampling import KEY, token_logprobs, vllm_params
+    from actors.requests import StructuredOutput
+
+    params = SamplingParams(max_tokens=5, logprobs=3, frequency_penalty=0.5, presence_penalty=0.2,
+                            repetition_penalty=1.1, min_tokens=2, logit_bias={7: -5.0},
+                            structured=StructuredOutput("json_schema", json.dumps({"type": "object"})))
+    request = GenerationRequest("r", [1, 2], params)
+    spec = vllm_params(request, stops=[0], speculate=True, vocab_size=100)
+    assert (spec.logprobs, spec.frequency_penalty, spec.presence_penalty, spec.repetition_penalty,
+            spec.min_tokens) == (3, 0.5, 0.2, 1.1, 2)
+    assert spec.structured_outputs.json == {"type": "object"}
+    assert not spec.logit_bias and spec.extra_args[KEY]["logit_bias"] == [[7, -5.0]]  # specserve's hooks add it
+    plain = vllm_params(request, stops=[0], speculate=False, vocab_size=100, native_bias=True)
+    assert plain.logit_bias == {7: -5.0} and "logit_bias" not in plain.extra_args[KEY]  # vLLM adds it
+    with pytest.raises(ValueError, match="logit_bias"):
+        vllm_params(GenerationRequest("r", [1], SamplingParams(max_tokens=1, logit_bias={100: 1.0})), stops=[],
+                    speculate=True, vocab_size=100)
+    with pytest.raises(ValueError, match="structured"):
+        vllm_params(GenerationRequest("r", [1], SamplingParams(max_tokens=1, structured=StructuredOutput(
+            "json_schema", "[1, 2]"))), stops=[], speculate=True, vocab_size=100)
+    # vLLM's entries: the sampled token first (its own rank), then the top n with ranks 1..n
+    outside = {9: Logprob(-3.0, 4), 5: Logprob(-0.1, 1), 6: Logprob(-1.0, 2)}
+    inside = {6: Logprob(-1.0, 2), 5: Logprob(-0.1, 1)}
+    a, b = token_logprobs([outside, inside], 2)
+    assert (a.token_id, a.logprob, a.top) == (9, -3.0, ((5, -0.1), (6, -1.0)))
+    assert (b.token_id, b.logprob, b.top) == (6, -1.0, ((5, -0.1), (6, -1.0)))
+    assert token_logprobs([{9: Logprob(-3.0, 4)}], 0)[0].top == ()
