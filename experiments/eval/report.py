@@ -301,8 +301,14 @@ def plot_frontier(report: dict, path: Path | str) -> Path | None:
 
 
 def read_eval_report(path: Path | str) -> dict:
-    """An eval's results.json, given the file or the eval's output directory; ValueError if it is not one."""
+    """An eval's results.json, given the file or the eval's output directory; ValueError if it is not one. A
+    protocol's directory (`specserve eval --protocol`) gives its held-out results, the only ones to quote."""
     path = Path(path)
+    if path.is_dir() and not (path / RESULTS_FILE).is_file() and (path / "protocol.json").is_file():
+        path = path / "held-out"
+        if not (path / RESULTS_FILE).is_file():
+            raise ValueError(f"eval: the protocol in {path.parent} judged no arm on held-out problems "
+                             f"(see its protocol.md); its selection figures are not to be quoted")
     if path.is_dir():
         path = path / RESULTS_FILE
     report = json.loads(path.read_text())

@@ -140,7 +140,8 @@ def test_the_ab_reports_quality_section_shows_the_measures_beside_score_and_spee
 
     result = run_protocol(ArithmeticSuite(problems=12), RuleBackend(), ["exact", "fast"], tmp_path,
                           likelihood=lambda prompt, text: (1.0 * len(text), len(text)), resamples=100)
-    section = quality_section(read_eval_report(result["held_out_dir"]))
+    section = quality_section(read_eval_report(tmp_path))  # a protocol's directory: its held-out results
+    assert section["rows"][0]["n"] == len(result["split"]["held_out"])
     fast = next(r for r in section["rows"] if r["arm"] == "fast")
     assert fast["hash_divergence"] == 1.0 and fast["nll_diff"] == pytest.approx(0.0) and fast["truncated"] == 0
     assert fast["copy_rate_mean"] == 0.0 and fast["output_tokens_mean"] == 10
