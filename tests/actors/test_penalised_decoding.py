@@ -233,3 +233,13 @@ def test_a_model_drafter_drafts_under_the_requests_bias(tiny):
     batch = drafter.propose([DraftRequest("a", PROMPTS[0], 3, logit_bias=((777, 100.0),)),
                              DraftRequest("b", PROMPTS[1], 2)])
     assert batch.draft_ids[0].tolist() == [777, 777, 777] and 777 not in batch.draft_ids[1].tolist()
+
+
+def test_asd_rows_carry_a_logprob_for_every_token_they_keep(tiny, plain):
+    """Relaxed tokens are draft tokens: their logprobs come from the same raw rows (and rules still apply)."""
+    arm = ArmSpec("asd", "asd", ASDConfig(g=5.0, max_relaxed_per_block=3, budget=50.0))
+    params = SamplingParams(max_tokens=16, logprobs=1, frequency_penalty=0.5)
+    outs = run(unit(tiny[0], NgramDrafter(1, 3), fixed=4), params, arm=arm)
+    assert sum(o.record.relaxed_tokens for o in outs) > 0
+    for o in outs:
+        assert [lp.token_id for lp in o.logprobs] == o.token_ids

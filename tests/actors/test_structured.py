@@ -152,3 +152,16 @@ def test_apply_bitmask_equals_xgrammars():
     want = logits.clone()
     xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab)
     torch.testing.assert_close(apply_bitmask(logits, bitmask), want)
+
+
+def test_asd_relaxes_only_to_what_the_grammar_allows(tiny):
+    from actors.coordinator import ArmSpec
+    from policies.asd import ASDConfig
+
+    arm = ArmSpec("asd", "asd", ASDConfig(g=10.0, max_relaxed_per_block=4, budget=100.0))
+    coord = unit(tiny, AnswerDrafter(tiny[3]), 4)
+    reqs = [GenerationRequest(r.request_id, r.prompt_ids, r.params, arm=arm) for r in requests(tiny, 8, "a")]
+    outs = coord.generate_many_sync(reqs)
+    check_all_valid(tiny, outs)
+    assert sum(o.record.relaxed_tokens for o in outs) > 0  # ASD kept drafts the target would not have chosen
+    no_leaks(coord)
