@@ -1,7 +1,8 @@
 """A request's rules on the target's logits, and the raw logprobs of what it emits.
 
 Rules (vLLM's definitions and order): `logit_bias` is added and, while the output is shorter than
-`min_tokens`, the stop ids (EOS unless ignored, and stop_token_ids) get -inf; then the repetition penalty r
+`min_tokens`, the stop ids (EOS unless ignored, and stop_token_ids) get -inf (unless no other token is left,
+as where a grammar allows only a stop); then the repetition penalty r
 scales z(v) of every token v in the prompt or output (z / r where z > 0, z · r otherwise); then
 z(v) -= frequency · count(v) + presence · [count(v) > 0], counts over the output only. Temperature, top-k and
 top-p (`policies.exact.process_logits`) come after; greedy is the argmax of the penalised logits.
@@ -83,7 +84,9 @@ def penalise_block(
         short = short if short <= k else positions
         if short > 0:
             stops = torch.tensor(sorted(rules.stop_ids), dtype=torch.long, device=device)  # [S]
-            z[:short, stops] = float("-inf")
+            masked = z[:short].index_fill(-1, stops, float("-inf"))  # [short, V]
+            dead = torch.isneginf(masked).all(dim=-1, keepdim=True)  # a grammar allowed only a stop: keep it
+            z[:short] = torch.where(dead, z[:short], masked)
     if not (rules.frequency or rules.presence or rules.repetition != 1.0):
         return z
     counts = torch.zeros(positions, vocab, dtype=z.dtype, device=device)  # [T, V], output tokens before i

@@ -165,3 +165,11 @@ def test_asd_relaxes_only_to_what_the_grammar_allows(tiny):
     check_all_valid(tiny, outs)
     assert sum(o.record.relaxed_tokens for o in outs) > 0  # ASD kept drafts the target would not have chosen
     no_leaks(coord)
+
+
+def test_min_tokens_past_a_finished_grammar_still_stops(tiny):
+    """A grammar finished before min_tokens allows only EOS: it is kept (as vLLM does), not a dead row."""
+    reference = unit(tiny).generate_many_sync(requests(tiny, 4, "t", speculate=False, min_tokens=40))
+    check_all_valid(tiny, reference)
+    outs = unit(tiny, AnswerDrafter(tiny[3]), 4).generate_many_sync(requests(tiny, 4, "m", min_tokens=40))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]

@@ -127,3 +127,15 @@ def test_speculative_sampling_on_penalised_blocks_follows_the_penalised_target()
     blind = torch.softmax(penalise_block(z[1:2], rules, torch.tensor([0]), output, torch.zeros(0).long()), -1)[0]
     assert chi_square_p_value(verdict.tokens[kept, 1], blind) < P_VALUE_FLOOR  # the test tells them apart
     assert chi_square_p_value(verdict.tokens[:, 0], torch.softmax(z[0], -1)) < P_VALUE_FLOOR
+
+
+def test_min_tokens_keeps_the_stop_when_nothing_else_is_left():
+    """As vLLM's min_tokens with structured output: a position where only stop ids are finite (a finished
+    grammar) keeps them; other positions lose them."""
+    logits = torch.randn(2, V)
+    logits[0, :] = float("-inf")
+    logits[0, 2] = 1.0  # only EOS allowed here
+    got = penalise_block(logits, Penalties.of(min_tokens=5, stop_ids=[2, 9]), torch.tensor([1]),
+                         torch.tensor([3], dtype=torch.long), torch.tensor([4]))
+    assert got[0, 2] == 1.0 and torch.isneginf(got[0]).sum() == V - 1
+    assert torch.isneginf(got[1, [2, 9]]).all() and torch.isfinite(got[1, [0, 1, 3]]).all()
