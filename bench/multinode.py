@@ -143,19 +143,17 @@ def placement_groups() -> list[dict]:
             for pg in table.values() if pg["state"] == "CREATED"]
 
 
-def multinode_config(config, *, drafter_source: str, units: int = 2, concurrency: int, timeout_s: float) -> dict:
-    """The dumped config for `NODES`: `bench.reliability.fault_config`'s (a model drafter and the target each in
-    their own actor, γ fixed at 2), with `units` units whose replica and STRICT_PACK shard reserve
-    `UNIT_RESOURCE` and whose drafter reserves `DRAFTER_RESOURCE`."""
-    from bench.reliability import fault_config
+def multinode_config(config: dict, *, units: int = 2) -> dict:
+    """The dumped `config` (e.g. `bench.reliability.fault_config`'s) for `NODES`: `units` units whose replica and
+    STRICT_PACK target shards reserve `UNIT_RESOURCE` and whose model drafter reserves `DRAFTER_RESOURCE`."""
     from cluster.config import dump_config, parse_config
 
-    out = fault_config(config, drafter_source=drafter_source, concurrency=concurrency, timeout_s=timeout_s)
+    out = dump_config(parse_config(config))
     out["target"]["placement_strategy"] = "STRICT_PACK"
     out["target"]["resources"]["custom"] = {UNIT_RESOURCE: 1}
     out["unit"]["custom"] = {UNIT_RESOURCE: 1}
     out["drafter"]["resources"]["custom"] = {DRAFTER_RESOURCE: 1}
-    out["autoscaling"].update(min_replicas=units, max_replicas=units, initial_replicas=units)
+    out["autoscaling"].update(enabled=False, min_replicas=units, max_replicas=units, initial_replicas=units)
     return dump_config(parse_config(out))
 
 
@@ -171,11 +169,11 @@ def wait_replaced(app: str, names: dict[str, str], units: int, timeout_s: float 
         time.sleep(0.5)
 
 
-def node_fault(config, prompts: list[tuple[int, ...]], *, port: int, requests: int, concurrency: int,
-               lengths: tuple[int, ...], arms: tuple[str, ...], exact_arm: str, timeout_s: float) -> dict:
-    """The reliability section's node fault: `config` (a dumped `multinode_config`) served on a `LocalCluster` of
-    `NODES`; node `KILLED` is killed under the load (`bench.reliability.run_faults`). Adds where the units ran
-    before and after, and when they were all placed again (seconds from the kill)."""
+def node_fault(config: dict, port: int, load) -> dict:
+    """A node killed under load: `config` (a dumped `multinode_config`) served on a `LocalCluster` of `NODES`;
+    `load(app, url, injectors)` runs the load and injects the fault "node" with `injectors["node"]`, which kills
+    node `KILLED` (`bench.reliability.run_faults`), and returns its figures. Adds where the units ran before and
+    after, and when every unit ran again (seconds from the kill)."""
     from ray import serve
 
     from cluster.serving.app import build_app
@@ -201,12 +199,7 @@ def node_fault(config, prompts: list[tuple[int, ...]], *, port: int, requests: i
                 replaced["watch"].start()
                 return dict(killed[-1])
 
-            from bench.reliability import run_faults
-
-            result = run_faults(app, f"http://127.0.0.1:{port}", config["target"]["served_name"], prompts,
-                                requests=requests, concurrency=concurrency, lengths=lengths, arms=arms,
-                                exact_arm=exact_arm, timeout_s=timeout_s, faults=("node",),
-                                injectors={"node": kill})
+            result = load(app, f"http://127.0.0.1:{port}", {"node": kill})
             replaced["watch"].join(REPLACE_TIMEOUT_S)
             result.update(units_before=before, units_after=replaced.get("units"),
                           replaced_after_s=replaced.get("after_s"))

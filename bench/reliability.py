@@ -8,7 +8,8 @@ Every request ends one of four ways:
 - **lost**: an unclean end (connection dropped, a stream without `[DONE]`, a 5xx without an error body);
 - **hung**: no end within `request_timeout_s` + `HANG_SLACK_S`.
 Also checked: exact-arm outputs equal the target-only greedy ones, no ledger over budget, each fault's time to
-recover (≤ `RECOVERY_GOAL_S`), and nothing left after the load. The promises: docs/reliability.md.
+recover (≤ `RECOVERY_GOAL_S`), and nothing left after the load. A worker node killed under the same load runs
+on a multi-node cluster of its own (`node_section`, `bench.multinode`). The promises: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -201,6 +202,7 @@ def main_section(args, command: str) -> int:
     results.update(_served_sections(args, preset, log, parts))
     results["prefill_stall"] = _part(parts / "prefill_stall.json", args.resume,
                                      lambda: _stall_section(args, preset, log))
+    results["node_fault"] = _part(parts / "node_fault.json", args.resume, lambda: node_section(args, preset, log))
     results["meta"]["elapsed_s"] = time.monotonic() - t0
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "report.md").write_text(report_markdown(results))
@@ -218,15 +220,12 @@ def _part(path, resume: bool, measure):
 
 
 def _served_sections(args, preset: dict, log, parts) -> dict:
-    from actors.sources import load_tokenizer
     from bench.fuzz import fuzz
     from bench.http_bench import ServedApp, bench_config
-    from bench.workloads import load_workload
     from cluster.config import load_config, parse_config
 
     config = load_config(args.config)
-    tokenizer = load_tokenizer(config.target.source)
-    prompts = [p.ids for w in ("chat", "code", "summarization") for p in load_workload(w, tokenizer, 2, seed=0)]
+    prompts = _prompts(config)
     exact = next(a.name for a in config.arms if a.verification == "exact")
     with ServedApp(port=args.port) as served:
 
@@ -252,6 +251,37 @@ def _served_sections(args, preset: dict, log, parts) -> dict:
 
         return {"fuzz": _part(parts / "fuzz.json", args.resume, fuzzed),
                 "faults": _part(parts / "faults.json", args.resume, faulted)}
+
+
+def _prompts(config) -> list[tuple[int, ...]]:
+    from actors.sources import load_tokenizer
+    from bench.workloads import load_workload
+
+    tokenizer = load_tokenizer(config.target.source)
+    return [p.ids for w in ("chat", "code", "summarization") for p in load_workload(w, tokenizer, 2, seed=0)]
+
+
+def node_section(args, preset: dict, log) -> dict:
+    """A worker node killed under the fault load (`bench.multinode.node_fault`): two units of the config on a
+    head and two worker nodes, the target's own model as the drafter, as in the faults part."""
+    from bench.multinode import KILLED, NODES, multinode_config, node_fault
+    from cluster.config import load_config
+
+    config = load_config(args.config)
+    exact, prompts = next(a.name for a in config.arms if a.verification == "exact"), _prompts(config)
+    faulty = multinode_config(fault_config(config.model_copy(update={"name": "specserve-rel-node"}),
+                                           drafter_source=config.target.source, concurrency=preset["concurrency"],
+                                           timeout_s=FAULT_TIMEOUT_S))
+    log.info("%d requests at concurrency %d on nodes %s, node %s killed", preset["requests"], preset["concurrency"],
+             list(NODES), KILLED)
+
+    def load(app: str, url: str, injectors: dict) -> dict:
+        return run_faults(app, url, faulty["target"]["served_name"], prompts, requests=preset["requests"],
+                          concurrency=preset["concurrency"], lengths=preset["lengths"],
+                          arms=tuple(a.name for a in config.arms), exact_arm=exact, timeout_s=FAULT_TIMEOUT_S,
+                          faults=("node",), injectors=injectors)
+
+    return node_fault(faulty, args.port, load)
 
 
 def _stall_section(args, preset: dict, log) -> list[dict]:
@@ -297,4 +327,24 @@ def report_markdown(results: dict) -> str:
     lines += [f"| {s['chunk']} | {s['steady_p95_itl_s']:.3f} s | {s['during_p95_itl_s']:.3f} s | "
               f"{s['ratio']:.2f} ({', '.join(f'{r:.2f}' for r in s['ratios'])}) | {s['long_ttft_s']:.2f} s |"
               for s in results["prefill_stall"]]
+    if results.get("node_fault"):
+        lines += [""] + node_markdown(results["node_fault"])
     return "\n".join(lines) + "\n"
+
+
+def node_markdown(nf: dict) -> list[str]:
+    """The node fault's lines of the report."""
+    (fault,) = nf["faults"]
+    recovered = "never (past the limit)" if fault["recovery_s"] is None else f"{fault['recovery_s']:.1f} s"
+    replaced = "never (past the limit)" if nf["replaced_after_s"] is None else f"{nf['replaced_after_s']:.1f} s"
+    return ["## A worker node killed under load", "",
+            f"{nf['requests']} requests: {nf['completed']} completed ({nf['degraded']} degraded), {nf['errored']} "
+            f"errored {nf['error_codes']}, {nf['lost']} lost, {nf['hung']} hung; {fault['in_flight_at_kill']} in "
+            f"flight at the kill of node {fault['node']} ({fault['actors']} actors, reported dead after "
+            f"{fault['dead_after_s']:.1f} s)", "",
+            f"service answers again after {recovered} (goal ≤ {RECOVERY_GOAL_S:.0f} s); every unit placed again "
+            f"after {replaced}", "",
+            f"units before: {nf['units_before']}", f"units after: {nf['units_after']}", "",
+            f"exact-arm outputs checked {nf['exact_checked']}, mismatched {len(nf['exact_mismatched'])}; ledgers "
+            f"checked {nf['ledgers_checked']}, over budget {len(nf['over_budget'])}; leaks {nf['leaks']}",
+            f"goals: {nf['goals']}"]

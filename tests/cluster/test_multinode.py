@@ -48,10 +48,12 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def served(cluster, tiny_llama_pair):
-    """Two units of the tiny pair (`bench.multinode.multinode_config`), over HTTP through the head's proxy."""
+    """Two units of the tiny pair (`bench.reliability.fault_config`: a model drafter and the target each in their
+    own actor; `bench.multinode.multinode_config`: their nodes), over HTTP through the head's proxy."""
     from ray import serve
 
     from bench.multinode import multinode_config, start_serve
+    from bench.reliability import fault_config
     from cluster.cli import _kill_app_actors
     from cluster.serving.app import build_app
     from tests.cluster.serving.served_app import free_port
@@ -66,8 +68,8 @@ def served(cluster, tiny_llama_pair):
     port = free_port()
     start_serve(port)
     try:
-        serve.run(build_app({"config": multinode_config(config, drafter_source=str(drafter), concurrency=8,
-                                                        timeout_s=TIMEOUT_S)}), name=APP, route_prefix="/")
+        config = multinode_config(fault_config(config, drafter_source=str(drafter), concurrency=8, timeout_s=TIMEOUT_S))
+        serve.run(build_app({"config": config}), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -101,13 +103,15 @@ def test_placement_follows_the_manifests(cluster, served):
 
 def test_greedy_output_is_the_same_on_every_node(cluster, served):
     """Every unit's speculative output (the one on `units` drafting on another node) equals target-only greedy."""
-    from bench.load import LoadRequest, run_load
     import asyncio
+
+    from bench.load import LoadRequest, run_load
 
     requests = [LoadRequest(i, p, 24, stream, "exact") for i, (p, stream) in
                 enumerate((p, s) for p in prompts() for s in (False, True))]
     plain = asyncio.run(run_load(served, MODEL, requests, concurrency=4, timeout_s=TIMEOUT_S, speculate=False))
-    spec = asyncio.run(run_load(served, MODEL, requests * 2, concurrency=4, timeout_s=TIMEOUT_S))  # both units, both ways
+    # twice over, so Serve's router sends some of each kind to both units
+    spec = asyncio.run(run_load(served, MODEL, requests * 2, concurrency=4, timeout_s=TIMEOUT_S))
     assert all(o.end == "completed" for o in plain + spec), [o for o in plain + spec if o.end != "completed"]
     reference = {r.prompt: o.text for r, o in zip(requests, plain)}
     assert all(o.text == reference[r.prompt] for r, o in zip(requests * 2, spec))
