@@ -37,7 +37,8 @@ GeneratorFor = Callable[[str, SamplingSpec], "torch.Generator | None"]
 def score_round(logits: Tensor, batch: TargetBatch, generator_for: GeneratorFor,
                 forward_s: float = 0.0) -> TargetResult:
     """The round's `TargetResult` (on the host) from `logits` [B, T, V] (row b's scored positions first, on
-    the engine's device). `generator_for(seq_id, spec)` is a sampled row's generator (None: unseeded)."""
+    the engine's device; the caller's own: rows with rules are overwritten with their ruled logits).
+    `generator_for(seq_id, spec)` is a sampled row's generator (None: unseeded)."""
     device = logits.device
     batch_size, k = batch.draft_ids.shape
     lens = check_draft(batch.draft_ids, batch.draft_lens)  # [B], on the host
@@ -110,19 +111,21 @@ def _raw(rows: Tensor, batch: TargetBatch) -> tuple[list[int], Tensor, Tensor, T
     return asking, *raw_logprobs(rows[index], max(batch.logprobs.values()))
 
 
+@torch.inference_mode()  # writes into the engine's logits, which are inference tensors
 def _grammar_masked(rows: Tensor, batch: TargetBatch) -> Tensor:
-    """`rows` [B, K+1, V] with -inf where a row's grammar refuses a token (a copy), at its block's positions."""
-    out = rows.clone()
+    """`rows` [B, K+1, V] with -inf where a row's grammar refuses a token, at its block's positions (in place:
+    only those rows are written, not the whole batch copied)."""
     for b, rule in batch.rules.items():
         if rule.grammar_mask is not None:
             n = rule.grammar_mask.shape[0]  # k_b + 1
-            out[b, :n] = apply_bitmask(rows[b, :n], rule.grammar_mask.to(rows.device))
-    return out
+            rows[b, :n] = apply_bitmask(rows[b, :n], rule.grammar_mask.to(rows.device))
+    return rows
 
 
+@torch.inference_mode()  # writes into the engine's logits, which are inference tensors
 def _penalised(rows: Tensor, batch: TargetBatch, lens: Tensor) -> Tensor:
-    """`rows` [B, K+1, V] with each ruled row's block penalised (a copy; the raw logits stay as they were)."""
-    out, device = rows.clone(), rows.device
+    """`rows` [B, K+1, V] with each ruled row's block penalised, in place (the raw logprobs were taken before)."""
+    out, device = rows, rows.device
     for b, rule in ((b, r) for b, r in batch.rules.items() if r.penalties is not None):
         drafts = batch.draft_ids[b, : int(lens[b])]  # [k_b] host
         ids = [torch.as_tensor(list(x), dtype=torch.long) for x in (rule.prompt_ids, rule.output_ids)]
