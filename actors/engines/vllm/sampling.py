@@ -21,6 +21,7 @@ import torch
 
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams, TokenLogprob
 from policies.asd import ASDConfig
+from policies.penalties import Penalties, allowed_drafts
 
 KEY = "specserve"  # additional_config[KEY] (unit settings) and SamplingParams.extra_args[KEY] (per request)
 
@@ -46,7 +47,10 @@ def worker_request(cfg: dict[str, Any], params, prompt_ids) -> GenerationRequest
                   if asd else None,
                   cfg.get("sampled", "exact"))
     temperature = 0.0 if params.temperature < 1e-5 else params.temperature
-    sampling = SamplingParams(max_tokens=params.max_tokens or 1, temperature=temperature, seed=params.seed)
+    bias = {int(t): float(b) for t, b in cfg.get("logit_bias") or ()} or None
+    sampling = SamplingParams(max_tokens=params.max_tokens or 1, temperature=temperature, seed=params.seed,
+                              stop_token_ids=tuple(params.stop_token_ids or ()), min_tokens=params.min_tokens or 0,
+                              logit_bias=bias)
     return GenerationRequest(cfg["rid"], list(prompt_ids or ()), sampling, arm, speculate=bool(cfg["speculate"]))
 
 
@@ -81,6 +85,17 @@ def vllm_params(request: GenerationRequest, *, stops: list[int], speculate: bool
         logit_bias=dict(p.logit_bias) if native_bias and p.logit_bias else None,
         extra_args={KEY: request_settings(request, speculate=speculate, bias=not native_bias)},
     )
+
+
+def allowed(request: GenerationRequest, drafts: list[int], context_len: int) -> list[int]:
+    """A row's drafts up to the first one its rules ban (`policies.penalties.allowed_drafts`: a bias at the ban
+    level, a stop token before min_tokens), which the target would reject anyway. `context_len`: the row's
+    tokens before its drafts."""
+    p = request.params
+    if not (p.min_tokens or p.logit_bias):
+        return drafts
+    rules = Penalties.of(logit_bias=p.logit_bias, min_tokens=p.min_tokens, stop_ids=p.stop_token_ids)
+    return drafts[: allowed_drafts(drafts, rules, context_len - len(request.prompt_ids))]
 
 
 def token_logprobs(positions, n: int) -> list[TokenLogprob]:

@@ -23,7 +23,7 @@ from actors.bookkeeping import RequestBook
 from actors.contracts import DraftBatch, DraftRequest
 from actors.drafting import DrafterSetup, make_drafter
 from actors.policy import InProcessLink, PolicyCore, UnitPolicy
-from actors.engines.vllm.sampling import KEY, worker_request
+from actors.engines.vllm.sampling import KEY, allowed, worker_request
 from policies import PAD_TOKEN_ID
 from policies.asd import ASDConfig, verify_asd_scores
 from policies.scores import TargetScores, compact_scores
@@ -129,7 +129,9 @@ class WorkerState:
             start = time.perf_counter()
             contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i, _, _ in wanted]  # views of the buffer
             contexts = [c.tolist() for c in contexts] if self.remote_drafter else contexts
-            batch_drafts = self.drafter.propose([DraftRequest(b.rid, c, g) for (_, b, g), c in zip(wanted, contexts)])
+            batch_drafts = self.drafter.propose([
+                DraftRequest(b.rid, c, g, logit_bias=tuple(sorted((b.request.params.logit_bias or {}).items())))
+                for (_, b, g), c in zip(wanted, contexts)])
             self._last_draft_s = time.perf_counter() - start
             if batch_drafts is None:  # the model drafter is unavailable: these rows decode plainly this step
                 for _, book, _ in wanted:
@@ -138,7 +140,7 @@ class WorkerState:
             lens = batch_drafts.draft_lens.tolist()
             ids = batch_drafts.draft_ids.tolist()
             for j, (i, book, _) in enumerate(wanted):
-                drafts[i] = ids[j][: lens[j]]
+                drafts[i] = allowed(book.request, ids[j][: lens[j]], int(num_tokens_no_spec[i]))
                 if batch_drafts.confidence is not None:
                     self._drafted[book.rid] = (lens[j], (tuple(batch_drafts.confidence[j, : lens[j]].tolist()),
                                                          int(batch_drafts.match_lens[j])))
@@ -167,9 +169,19 @@ class WorkerState:
         self._last_draft_s, self._last_draft_steps = (seconds, self.draft_len) if self.draft_len else (0.0, 0)
 
     def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
-        """Kind 'vllm': each row's drafts cut to its γ (rows specserve did not plan keep vLLM's)."""
+        """Kind 'vllm': each row's drafts cut to its γ and before the first token its rules ban (rows specserve
+        did not plan keep vLLM's)."""
         gammas, self._gammas = self._gammas, {}
-        return [d[: gammas[r]] if r in gammas else d for r, d in zip(req_ids, drafts)]
+        out = [d[: gammas[r]] if r in gammas else d for r, d in zip(req_ids, drafts)]
+        batch = self.runner.input_batch  # this step's tokens are in it by now
+        try:  # an optimization only (the target rejects a banned draft): a failure must not kill vLLM's engine
+            for j, r in enumerate(req_ids):
+                book = self.books.get(self._rid_of.get(r, ""))
+                if book is not None and len(out[j]) and r in batch.req_id_to_index:
+                    out[j] = allowed(book.request, out[j], int(batch.num_tokens_no_spec[batch.req_id_to_index[r]]))
+        except Exception:
+            log.exception("specserve: cutting drafts at banned tokens failed; this step keeps them")
+        return out
 
     def _round(self, emitted: list[int], num_tokens: list[int]) -> list[tuple[int, RequestBook, int]]:
         """Account the `emitted` tokens of each row (0: a prompt chunk), feed the last step's costs to the

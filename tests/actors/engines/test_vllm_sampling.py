@@ -131,6 +131,14 @@ def test_logit_bias_is_applied_at_draft_positions_and_exact(unit, prompts):
     spec, plain = run(unit, prompts, tag="ban", logit_bias={banned: -100.0})
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert all(banned not in r.token_ids for r in spec)
+    # and it is never drafted: the drafts are cut before it (an ASD arm without budget logs what it verified)
+    exact_asd = ArmSpec("asd0", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=0.0))
+    before = len(unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0])
+    logged, _ = run(unit, prompts, tag="banlog", arm=exact_asd, logit_bias={banned: -100.0})
+    assert [r.token_ids for r in logged] == [r.token_ids for r in spec]
+    log = unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0][before:]
+    drafts = [t for e in log for row, k in zip(e["draft_ids"], e["draft_lens"]) for t in row[:k]]
+    assert drafts and banned not in drafts
     # a bias that forces one token: every position, drafts included, emits it (and the drafts of it are accepted)
     forced = base[1].token_ids[3]
     spec, plain = run(unit, prompts[:2], tag="force", logit_bias={forced: 100.0}, max_tokens=16)

@@ -13,7 +13,7 @@ from policies.asd import ASDConfig
 def test_the_worker_rebuilds_the_arm_the_unit_sent(gate):
     arm = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=8.0, gate=gate))
     request = GenerationRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0), arm)
-    params = SimpleNamespace(temperature=0.0, max_tokens=5, seed=None)
+    params = SimpleNamespace(temperature=0.0, max_tokens=5, seed=None, stop_token_ids=[0], min_tokens=0)
     rebuilt = _request(request_settings(request, speculate=True), params, [1, 2, 3])
     assert rebuilt.arm == arm and rebuilt.arm.asd.gate == gate
 
@@ -50,3 +50,15 @@ def test_vllm_params_carry_the_contract_and_the_bias_goes_where_vllm_cannot_appl
     assert (a.token_id, a.logprob, a.top) == (9, -3.0, ((5, -0.1), (6, -1.0)))
     assert (b.token_id, b.logprob, b.top) == (6, -1.0, ((5, -0.1), (6, -1.0)))
     assert token_logprobs([{9: Logprob(-3.0, 4)}], 0)[0].top == ()
+
+
+def test_drafts_are_cut_before_a_token_the_rules_ban():
+    from actors.engines.vllm.sampling import allowed
+
+    request = GenerationRequest("r", [1, 2, 3], SamplingParams(max_tokens=9, logit_bias={7: -100.0, 8: -5.0},
+                                                               min_tokens=3, stop_token_ids=(0,)))
+    assert allowed(request, [5, 8, 7, 6], context_len=3) == [5, 8]  # 7 is banned; -5 only discourages 8
+    assert allowed(request, [5, 0, 6], context_len=4) == [5]  # the stop token at output position 2 < min_tokens
+    assert allowed(request, [5, 0, 6], context_len=5) == [5, 0, 6]  # at output position 3 it may end
+    plain = GenerationRequest("r", [1], SamplingParams(max_tokens=9))
+    assert allowed(plain, [7, 0], context_len=1) == [7, 0]
