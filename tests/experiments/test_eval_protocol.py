@@ -146,3 +146,26 @@ def test_the_ab_reports_quality_section_shows_the_measures_beside_score_and_spee
     assert fast["hash_divergence"] == 1.0 and fast["nll_diff"] == pytest.approx(0.0) and fast["truncated"] == 0
     assert fast["copy_rate_mean"] == 0.0 and fast["output_tokens_mean"] == 10
     assert "hash divergence" in section["markdown"] and "NLL/token" in section["markdown"]
+
+
+def test_target_likelihood_is_the_teacher_forced_nll_of_the_completion(tiny_llama_dir):
+    import torch
+
+    from experiments.eval.likelihood import TargetLikelihood
+    from experiments.eval.suites import EvalPrompt
+
+    scorer = TargetLikelihood(str(tiny_llama_dir))
+    prompt = EvalPrompt(prompt="one two three")
+    ids = scorer.prompt_ids(prompt)
+    with torch.inference_mode():
+        logits = scorer.model(torch.tensor([ids])).logits[0, -1]  # [vocab]
+    greedy, other = int(logits.argmax()), int(logits.argmin())
+    for token in (greedy, other):
+        text = scorer.tokenizer.decode([token])
+        if scorer.tokenizer.encode(text, add_special_tokens=False) != [token]:
+            pytest.skip("the token does not re-tokenize to itself")
+    total, n = scorer.nll(prompt, scorer.tokenizer.decode([greedy]))
+    assert n == 1 and total == pytest.approx(float(-torch.log_softmax(logits, -1)[greedy]), rel=1e-4)
+    # the target's own greedy token is its most likely one: any other output costs more nats
+    assert scorer.nll(prompt, scorer.tokenizer.decode([other]))[0] > total
+    assert scorer.nll(prompt, "") == (0.0, 0)
