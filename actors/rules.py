@@ -21,10 +21,12 @@ from policies import PAD_TOKEN_ID
 
 def decode_batch(rows: list[SequenceState], draft: DraftBatch) -> tuple[TargetBatch, DraftBatch]:
     """The round's batch for `rows` and their drafts, and the drafts as verified (trimmed)."""
-    draft = trim_drafts(draft, rows)
+    ruled = [b for b, s in enumerate(rows) if s.penalties is not None or s.grammar is not None]
+    if ruled:
+        draft = trim_drafts(draft, rows, ruled)
     lens = draft.draft_lens.tolist()
     drafts = [draft.draft_ids[b, : lens[b]].tolist() for b in range(len(rows))]
-    rules = {b: r for b, s in enumerate(rows) if (r := s.rules(drafts[b])) is not None}
+    rules = {b: rows[b].rules(drafts[b]) for b in ruled}
     logprobs = {b: s.request.params.logprobs for b, s in enumerate(rows) if s.request.params.logprobs is not None}
     batch = TargetBatch(
         seq_ids=[s.rid for s in rows], crops=[s.crop for s in rows],
@@ -36,13 +38,13 @@ def decode_batch(rows: list[SequenceState], draft: DraftBatch) -> tuple[TargetBa
     return batch, draft
 
 
-def trim_drafts(draft: DraftBatch, rows: list[SequenceState]) -> DraftBatch:
-    """Each row's drafts cut before the first one it may not emit (`SequenceState.allowed_drafts`)."""
+def trim_drafts(draft: DraftBatch, rows: list[SequenceState], ruled: list[int]) -> DraftBatch:
+    """The `ruled` rows' drafts cut before the first one each may not emit (`SequenceState.allowed_drafts`)."""
     lens = draft.draft_lens.tolist()
     cuts = {}
-    for b, seq in enumerate(rows):
-        if (seq.penalties is not None or seq.grammar is not None) and lens[b]:
-            keep = seq.allowed_drafts(draft.draft_ids[b, : lens[b]].tolist())
+    for b in ruled:
+        if lens[b]:
+            keep = rows[b].allowed_drafts(draft.draft_ids[b, : lens[b]].tolist())
             if keep < lens[b]:
                 cuts[b] = keep
     if not cuts:
