@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from openai_checks import check_json_schema, check_logprobs, check_rules
 from served_app import assert_timing, decoder_stats, served_app
 
 from tests.vllm_support import require_vllm_or_skip
@@ -129,3 +130,12 @@ def test_a_disconnect_mid_stream_frees_vllms_kv_blocks(server, client):
     assert stats["active_requests"] == [] and stats["kv"]["free_blocks"] == idle
     assert stats["kv"]["running"] == stats["kv"]["waiting"] == 0
     assert stats["open_ledgers"] == [] and stats["target_sequences"] == []
+
+
+def test_logprobs_rules_and_json_schema_under_speculation_equal_target_only(client):
+    from actors.sources import load_tokenizer
+
+    tokenizer = load_tokenizer("embedded:smollm2")
+    check_logprobs(client, MODEL, {ARM: "exact"}, tokenizer, tol=1e-4)
+    check_rules(client, MODEL, {ARM: "exact"}, tokenizer)
+    check_json_schema(client, MODEL, {ARM: "exact"}, greedy=4, sampled=4)
