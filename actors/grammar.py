@@ -22,6 +22,9 @@ from actors.requests import StructuredOutput
 
 WORD_BITS = 32  # tokens per int32 word of a bitmask
 ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object (vLLM's reading of it too)
+# Compact JSON, no free whitespace (vLLM's disable_any_whitespace, which the vLLM engine sets too): a grammar that
+# allows any whitespace lets a model pad its JSON with blanks until max_tokens, and small models do.
+COMPACT = (",", ":")
 
 
 class Grammars:
@@ -40,7 +43,7 @@ class Grammars:
         try:
             schema = ANY_OBJECT if structured.kind == "json_object" else structured.schema
             json.loads(schema)
-            compiled = compiler.compile_json_schema(schema)
+            compiled = compiler.compile_json_schema(schema, any_whitespace=False, separators=COMPACT)
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"structured: the grammar does not compile: {exc}") from None
         return xgr.GrammarMatcher(compiled)

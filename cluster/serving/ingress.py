@@ -360,6 +360,11 @@ class OpenAIIngress:
             self._audit_all(choices)  # after the last byte, or once the client is gone
 
     # --- quality audit -----------------------------------------------------------------------------------
+    def _audit_all(self, choices: list[Choice]) -> None:
+        for c in choices:
+            if c.finished is not None and c.finished.finish_reason != "error":
+                self._maybe_audit(c.job, c.finished)
+
     def _maybe_audit(self, job: DecodeJob, finished: Finished) -> None:
         if not self.sampler.should_audit(job.request_id, job.arm.verification, job.params.temperature):
             return

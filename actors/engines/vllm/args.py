@@ -38,6 +38,12 @@ def engine_args(setup: TargetSetup, drafter: DrafterSetup, policy: dict[str, Any
                         "suffix_cache_tokens": drafter.suffix_cache_tokens},
         }},
     )
+    try:  # the native engine's grammars (actors.grammar): xgrammar, compact JSON (no free whitespace)
+        from vllm.config import StructuredOutputsConfig
+    except ImportError:  # the arguments checked without vLLM; an engine needs it anyway
+        pass
+    else:
+        args["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
     if drafter.in_target_engine:  # each row's drafts are cut to its γ where the synchronous scheduler takes them
         args.update(speculative_config=drafter.speculative_config(policy["gamma_max"]), async_scheduling=False)
     elif drafter.kind != "none":

@@ -80,21 +80,19 @@ def check_rules(client, model: str, headers: dict, tokenizer) -> None:
     assert out.choices[0].message.content == tokenizer.decode([forced] * 5)
 
 
-def check_json_schema(client, model: str, headers: dict, *, greedy: int, sampled: int, logit_bias=None) -> None:
+def check_json_schema(client, model: str, headers: dict, *, greedy: int, sampled: int) -> None:
     """`greedy` chat prompts and `sampled` seeded choices (n) with a JSON schema: every output parses and
-    validates; greedy output under speculation equals target-only with the same grammar. `logit_bias`: e.g. a
-    random model's ban on blank tokens (the grammar allows any whitespace, as vLLM's does)."""
-    bias = {"logit_bias": logit_bias} if logit_bias else {}
+    validates (the grammar is compact JSON, so even a random model cannot pad it with blanks); greedy output
+    under speculation equals target-only with the same grammar."""
     for k in range(greedy):
         messages = [{"role": "user", "content": f"Question {k}: is {k} an even number? Answer in JSON."}]
         outs = [_chat(client, model, headers, speculate, messages=messages, max_tokens=48,
-                      response_format=RESPONSE_FORMAT, **bias).choices[0] for speculate in (True, False)]
+                      response_format=RESPONSE_FORMAT).choices[0] for speculate in (True, False)]
         assert outs[0].message.content == outs[1].message.content
         assert outs[0].finish_reason == "stop", outs[0]
         jsonschema.validate(json.loads(outs[0].message.content), SCHEMA)
     many = client.chat.completions.create(model=model, messages=CHAT, temperature=1.0, seed=5, n=sampled,
-                                          max_tokens=48, response_format=RESPONSE_FORMAT, extra_headers=headers,
-                                          **bias)
+                                          max_tokens=48, response_format=RESPONSE_FORMAT, extra_headers=headers)
     assert len(many.choices) == sampled
     for choice in many.choices:
         assert choice.finish_reason == "stop", choice

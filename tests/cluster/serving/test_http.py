@@ -377,7 +377,5 @@ def test_streamed_choices_interleave_and_each_ends_once(client):
 def test_logprobs_rules_and_json_schema_under_speculation_equal_target_only(client, smollm2_tokenizer):
     check_logprobs(client, MODEL, {ARM: "exact"}, smollm2_tokenizer, tol=1e-4)
     check_rules(client, MODEL, {ARM: "exact"}, smollm2_tokenizer)
-    blank = {str(i): -100 for i in range(len(smollm2_tokenizer)) if not smollm2_tokenizer.decode([i]).strip()}
-    check_json_schema(client, MODEL, {ARM: "exact"}, greedy=3, sampled=4, logit_bias=blank)  # a random model
-    # would pad the JSON with whitespace for ever
+    check_json_schema(client, MODEL, {ARM: "exact"}, greedy=3, sampled=4)
     assert _wait_idle()["active_requests"] == []
