@@ -79,7 +79,7 @@ def test_both_arms_greedy_with_speculative_usage(client):
         assert spec["arm"] == arm and spec["verification"] == arm and spec["rounds"] > 0
         assert outs[arm].usage.completion_tokens > 0
     asd = outs["asd"].usage.model_extra["speculative"]
-    assert 0.0 <= asd["regret_spent"] <= asd["regret_budget"] == 8.0
+    assert 0.0 <= asd["regret_spent"] <= asd["regret_budget"] == 2.0  # configs/local-vllm.yaml's arm
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
                                            extra_headers={ARM: "exact"})
     assert again.choices[0].message.content == outs["exact"].choices[0].message.content  # greedy is deterministic
