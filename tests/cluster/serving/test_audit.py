@@ -137,6 +137,7 @@ def _ingress_parts():
     from types import SimpleNamespace
 
     from actors.requests import EXACT, SamplingParams
+    from cluster.serving.choices import Choice
     from cluster.serving.decoder import DecodeJob, Finished, TextDelta
     from cluster.serving.failures import Deadline
     from cluster.serving.ingress import OpenAIIngress
@@ -161,12 +162,15 @@ def _ingress_parts():
             pass
 
     audited = []
-    ingress = SimpleNamespace(_maybe_audit=lambda j, f: audited.append(j.request_id))
+    ingress = SimpleNamespace(_maybe_audit=lambda j, f: audited.append(j.request_id), token_text=None)
+    ingress._audit_all = lambda choices: OpenAIIngress._audit_all(ingress, choices)
     body = SimpleNamespace(model="m", include_usage=True)
 
     def stream():
-        timing = {"tokenize": 0.001, "ingress_to_unit": 0.002, "sse": 0.0}
-        return OpenAIIngress._stream(ingress, job, Events(), body, Deadline(10), timing, chat=True)
+        timing = {"tokenize": 0.001, "ingress_to_unit": [0.002], "sse": 0.0}
+        events = Events()
+        return OpenAIIngress._stream(ingress, "chatcmpl-1", [Choice(0, job, chat=True)], [events], [events], body,
+                                     Deadline(10), timing, prompt_tokens=3)
 
     return stream, audited
 
