@@ -120,7 +120,8 @@ def test_openapi_declares_every_answer():
     schemas = doc["components"]["schemas"]  # strict, and refused fields only at their neutral values
     chat = schemas["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and schemas["CompletionRequest"]["additionalProperties"] is False
-    assert chat["properties"]["logprobs"]["anyOf"] == [{"type": "null"}, {"const": False}]
-    assert completion["frequency_penalty"]["anyOf"] == [{"type": "null"}, {"const": 0}]
+    assert chat["properties"]["tools"]["anyOf"] == [{"type": "null"}, {"const": []}]  # refused: neutral only
+    assert chat["properties"]["logprobs"]["anyOf"] == [{"type": "boolean"}, {"type": "null"}]  # honoured
+    assert {"type": "number", "minimum": -2.0, "maximum": 2.0} in completion["frequency_penalty"]["anyOf"]
     assert all("422" not in op["responses"] for item in paths.values() for op in item.values())
     app.openapi_schema = None
