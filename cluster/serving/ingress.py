@@ -162,7 +162,6 @@ class OpenAIIngress:
     def hub(self):
         if self._hub is None:
             from cluster.observability.telemetry import get_or_create_hub
-
             self._hub = get_or_create_hub(self.app_name, self.config.telemetry, [a.name for a in self.config.arms])
         return self._hub
 
@@ -204,6 +203,8 @@ class OpenAIIngress:
         structured = body.structured() if chat else None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         total = len(prompts) * body.n
+        if total > (room := serving.max_ongoing_requests + serving.max_queued_requests):  # a retry cannot help
+            raise APIError(f"n: {total} choices exceed the {room} a unit holds", param="n", code="invalid_value")
         choices = []
         for p, prompt_ids in enumerate(prompts):
             max_tokens = resolve_max_tokens(
@@ -361,9 +362,8 @@ class OpenAIIngress:
 
     # --- quality audit -----------------------------------------------------------------------------------
     def _audit_all(self, choices: list[Choice]) -> None:
-        for c in choices:
-            if c.finished is not None and c.finished.finish_reason != "error":
-                self._maybe_audit(c.job, c.finished)
+        for c in (c for c in choices if c.finished is not None and c.finished.finish_reason != "error"):
+            self._maybe_audit(c.job, c.finished)
 
     def _maybe_audit(self, job: DecodeJob, finished: Finished) -> None:
         if not self.sampler.should_audit(job.request_id, job.arm.verification, job.params.temperature):

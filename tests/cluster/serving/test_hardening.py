@@ -88,8 +88,8 @@ def test_the_sdk_learns_which_field_is_not_honoured(servers):
                                              extra_body={"logit_bias": None, "tools": []})
     assert neutral.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(**chat, logprobs=True, top_logprobs=2)
-    assert (info.value.param, info.value.code) == ("logprobs", "unsupported_parameter")
+        client.chat.completions.create(**chat, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert (info.value.param, info.value.code) == ("tools", "unsupported_parameter")
 
 
 def test_api_keys_guard_the_api_but_not_health_or_metrics(servers):

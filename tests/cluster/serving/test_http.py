@@ -201,6 +201,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 129}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 65}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 9}, 400, "n"),  # more than a unit holds (4 + 4)
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"49152": 5}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_tokens": 9, "max_tokens": 8}, 400, "min_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
