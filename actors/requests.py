@@ -59,8 +59,9 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                             f"got {self.repetition_penalty}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.logit_bias is not None:
@@ -81,6 +82,8 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit)
+# repetition_penalty: a logit divided by 1e-300 overflows to inf; past these bounds a penalty bans or forces anyway
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 SAMPLED_RULES = ("exact", "relaxed")
 
 

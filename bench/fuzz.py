@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pydantic import TypeAdapter, ValidationError
@@ -58,8 +59,13 @@ def stream_chunks(ctx, response, case) -> bool | None:
     return True
 
 
-def fuzz(url: str, *, examples: int, headers: dict[str, str] | None = None, timeout_s: float = 60.0) -> FuzzReport:
-    """Fuzz every operation of `url`/openapi.json with `examples` positive and `examples` negative cases."""
+def fuzz(url: str, *, examples: int, headers: dict[str, str] | None = None, timeout_s: float = 60.0,
+         settle: Callable[[], object] | None = None) -> FuzzReport:
+    """Fuzz every operation of `url`/openapi.json with `examples` positive and `examples` negative cases.
+
+    `settle`, when given, runs before each case: it waits until the server has finished the previous case's work
+    (a stream the fuzzer stopped reading may still hold the unit's slots), so each case is judged alone and a
+    503 `queue_full` from that leftover load is not counted against the case that follows."""
     import hypothesis
     import schemathesis
     from schemathesis.core.failures import FailureGroup
@@ -78,6 +84,8 @@ def fuzz(url: str, *, examples: int, headers: dict[str, str] | None = None, time
                                  phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])
             @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
             def run(case):
+                if settle is not None:
+                    settle()
                 report.cases += 1
                 try:
                     response = case.call(base_url=url, headers=headers, timeout=timeout_s)

@@ -28,6 +28,16 @@ def choice_seed(seed: int | None, j: int) -> int | None:
     return (seed + j - INT64_MIN) % 2**64 + INT64_MIN
 
 
+def check_room(total: int, room: int, n: int) -> None:
+    """A request's `total` choices run at once, each a sequence of the unit: more than the `room` it runs at once
+    (`serving.max_ongoing_requests`) would wait behind each other in the queue other requests need, and no retry
+    helps, so they are a 400 naming `n` (or `prompt`, for a list of prompts with n = 1)."""
+    if total > room:
+        param = "n" if n > 1 else "prompt"
+        raise APIError(f"{param}: {total} choices exceed the {room} a unit runs at once", param=param,
+                       code="invalid_value")
+
+
 def refusal(message: str) -> APIError:
     """The 400 for a job a unit refused: its ValueError's message names the field first ("field: why")."""
     field, _, why = message.partition(":")

@@ -33,7 +33,7 @@ from cluster.serving.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, Unkno
 from cluster.serving.audit import AuditRunner, AuditSampler
 from cluster.serving.bodies import (SSE_DONE, TokenText, choice_body, chunk_body, completion_body, models_body,
                                     sse)
-from cluster.serving.choices import Choice, choice_seed, merged, openai_reason, read_ahead, refusal, usage
+from cluster.serving.choices import Choice, check_room, choice_seed, merged, openai_reason, read_ahead, refusal, usage
 from cluster.serving.decoder import DecodeJob, Finished, TextDelta, UnitStarted, policy_actor_name, policy_kwargs
 from cluster.serving.failures import (
     UNIT_LOST,
@@ -203,8 +203,7 @@ class OpenAIIngress:
         structured = body.structured() if chat else None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         total = len(prompts) * body.n
-        if total > (room := serving.max_ongoing_requests + serving.max_queued_requests):  # a retry cannot help
-            raise APIError(f"n: {total} choices exceed the {room} a unit holds", param="n", code="invalid_value")
+        check_room(total, serving.max_ongoing_requests, body.n)
         choices = []
         for p, prompt_ids in enumerate(prompts):
             max_tokens = resolve_max_tokens(

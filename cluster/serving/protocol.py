@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from actors.requests import MAX_LOGPROBS, StructuredOutput
+from actors.requests import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, StructuredOutput
 from cluster.serving.errors import APIError
 from cluster.serving.fields import (UNSUPPORTED, ChatFieldsNotHonoured, RefusedCompletionFields,
                                     RefusedMessageFields, StrictRequest, declare, unsupported)
@@ -24,7 +24,6 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 128  # choices per request: n × prompts (OpenAI's n limit)
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
-MAX_REPETITION_PENALTY = 100.0
 MAX_TEMPERATURE = 2.0  # OpenAI's range; far larger values overflow float32 in the sampler
 SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (as vLLM does): 1/T would overflow the logits
 INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1
@@ -80,9 +79,9 @@ class _SamplingFields(StrictRequest):
         json_schema_extra=declare(anyOf=[{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                                           "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                                           "maxProperties": MAX_LOGIT_BIAS}, {"type": "null"}]))
-    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY, description="Extension "
-                                             "(vLLM's): a logit of a token in the prompt or output is divided by "
-                                             "it if positive, multiplied by it if not; 1 is off.")
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, description="Extension (vLLM's): a logit of a "
+        "token in the prompt or output is divided by it if positive, multiplied by it if not; 1 is off.")
     min_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="Extension (vLLM's): no end token or "
                                    "stop token id before this many output tokens (stop strings still apply).")
 

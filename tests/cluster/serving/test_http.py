@@ -201,7 +201,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 129}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 65}, 400, "n"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 9}, 400, "n"),  # more than a unit holds (4 + 4)
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 5}, 400, "n"),  # more than a unit runs at once (4)
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b", "c", "d", "e"]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"49152": 5}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "min_tokens": 9, "max_tokens": 8}, 400, "min_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),

