@@ -320,10 +320,9 @@ WORKER: WorkerState | None = None  # this process's state (one vLLM worker per p
 
 
 def scored_tokens(lens: list[int]) -> int:
-    """The n (tokens scored per row) under which a step with these draft lengths is costed: 1 only when no row
-    drafted, else 1 + the rows' mean draft, at least 2. A step with any draft pays vLLM's speculative path whole
-    (docs/benchmarks.md measures it), so a lightly drafted batch counted as n = 1 would raise the plain baseline
-    and make every v(γ) look cheaper than it is."""
+    """The n (tokens scored per row) a step with these draft lengths is costed at: 1 only when no row drafted,
+    else 1 + the rows' mean draft, at least 2. A step with any draft pays vLLM's speculative path whole, so it
+    must not raise the plain baseline (which would make every v(γ) look cheaper)."""
     drafted = sum(lens)
     return 1 if drafted == 0 else 1 + max(1, round(drafted / len(lens)))
 
