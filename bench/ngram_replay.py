@@ -25,24 +25,16 @@ RULES = ("adaptive", 2, 4, 8)  # the adaptive policy, or a fixed γ
 
 
 def greedy_outputs(source: str, workloads: Sequence[str], prompts: int, max_tokens: int) -> dict[str, list]:
-    """{workload: [(prompt ids, greedy output ids), ...]}, the target alone, float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from actors.sources import load_tokenizer, resolve
+    """{workload: [(prompt ids, greedy output ids), ...]}, the target alone (`bench.hf_peer.HFPeer`, plain)."""
+    from actors.sources import load_tokenizer, model_info, resolve
+    from bench.hf_peer import HFPeer
     from bench.workloads import load_workload
 
     tokenizer = load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(str(resolve(source)), dtype=torch.float32).eval()
-    out: dict[str, list] = {}
-    for workload in workloads:
-        for prompt in load_workload(workload, tokenizer, prompts):
-            ids = torch.tensor([prompt.ids])
-            with torch.no_grad():
-                decoded = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
-                                         pad_token_id=tokenizer.eos_token_id)
-            out.setdefault(workload, []).append((list(prompt.ids), decoded[0, ids.shape[1]:].tolist()))
-    return out
+    peer = HFPeer(resolve(source), max_tokens=max_tokens, eos_token_ids=model_info(source)["eos_token_ids"])
+    return {workload: [(list(prompt.ids), list(peer.generate(prompt, "plain")[0]))
+                       for prompt in load_workload(workload, tokenizer, prompts)]
+            for workload in workloads}
 
 
 def replay(pairs: Sequence[tuple[list[int], list[int]]], n_min: int, n_max: int, rule: str | int,
