@@ -35,10 +35,10 @@ SYNC_TIMEOUT_S = 10.0  # `UnitPolicy.synced` / `flush(wait=True)`: how long to w
 
 
 def gamma_policy(*, gamma_max: int = 8, gamma_min: int = 0, prior_alpha: float = 0.6, draft_cost: float = 0.05,
-                 fixed_gamma: int | None = None) -> GammaPolicy:
+                 fixed_gamma: int | None = None, batch_plan: bool = True) -> GammaPolicy:
     """The `GammaPolicy` of the policy settings every unit and the authority share."""
     return GammaPolicy(gamma_max=gamma_max, gamma_min=gamma_min, prior_alpha=prior_alpha, draft_cost=draft_cost,
-                       fixed_gamma=fixed_gamma)
+                       fixed_gamma=fixed_gamma, batch_plan=batch_plan)
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,14 @@ class UnitPolicy:
         return self.seeded_gamma if seeded else self.gamma.choose(request_id, arm, batch_size)
 
     def plan(self, keys: list[RowKey], batch_size: int) -> list[int]:
-        return [self.choose(k.request_id, k.arm, batch_size, seeded=k.seeded) for k in keys]
+        """γ of each row of the native engine's next round (padded: every row is scored at the widest)."""
+        gammas = [self.choose(k.request_id, k.arm, batch_size, seeded=k.seeded) for k in keys]
+        return self.plan_step([(k.request_id, k.arm, g, k.seeded) for k, g in zip(keys, gammas)], batch_size,
+                              ragged=False)
+
+    def plan_step(self, rows: list[tuple[str, str, int, bool]], batch_size: int, *, ragged: bool = True,
+                  drafted: bool = False) -> list[int]:
+        return self.gamma.plan_step(rows, batch_size, ragged=ragged, drafted=drafted)
 
     def observe(self, request_id: str, arm: str, gamma: int, accepted: int, confidence: tuple[float, ...] = (),
                 match_len: int = 0) -> None:

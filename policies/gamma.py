@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from policies.batch_plan import plan_drafts
 from policies.confidence import ConfidenceAcceptance
 from policies.estimators import Acceptance, CostModel
 
@@ -115,11 +116,14 @@ class GammaPolicy:
     `explore=False` turns this off. `gamma_min` is a floor on every choice (set it ≥ 1 to always speculate).
     `fixed_gamma` returns one γ always.
 
+    Steps. `plan_step` cuts a batched step's γs (or drafts) to what pays for the step as a whole
+    (`policies.batch_plan`); `batch_plan=False` keeps the per-row choices.
+
     Parameters: `gamma_max` the largest γ; `prior_alpha`, `prior_weight` the cold-start α of an arm and its
     weight in pseudo-trials; `request_weight` the arm estimate's weight in a request's estimate; `decay`
     (per round of the request) and `arm_decay` (per observed row-round of the arm: a round of B rows ages it
     B times) the forgetting rates; `draft_cost` c before it is measured; `cost_decay` the forgetting rate of
-    the cost means (per sample); `probe_interval`, `gamma_min`, `fixed_gamma` as above.
+    the cost means (per sample); `probe_interval`, `gamma_min`, `fixed_gamma`, `batch_plan` as above.
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class GammaPolicy:
         probe_interval: int | None = 8,
         fixed_gamma: int | None = None,
         explore: bool = True,
+        batch_plan: bool = True,
     ) -> None:
         _check_gamma("gamma_max", gamma_max)
         _check_gamma("gamma_min", gamma_min)
@@ -165,6 +170,8 @@ class GammaPolicy:
         self.probe_interval = probe_interval
         self.fixed_gamma = fixed_gamma
         self.explore = explore
+        self.batch_plan = batch_plan
+        self._plain_steps = 0  # consecutive planned steps that drafted nothing (probes wait for probe_interval)
         self.costs = CostModel(default_draft_cost=draft_cost, decay=cost_decay)
         self._arms: dict[str, Acceptance] = {}
         self._confidence: dict[str, ConfidenceAcceptance] = {}  # per arm, for drafts with confidences
@@ -260,6 +267,40 @@ class GammaPolicy:
         if self.explore and gamma >= 1 and state is not None and state.full_block:  # not after a probe
             gamma = max(gamma, explore_gamma(state.full_block, self.gamma_max, c, verify_cost))
         return max(gamma, self.gamma_min)
+
+    def plan_step(self, rows: Sequence[tuple[str, str, int, bool]], batch_size: int, *, ragged: bool = True,
+                  drafted: bool = False) -> list[int]:
+        """Each row's draft count for one batched step of `batch_size` rows; a row is (request_id, arm, cap, fixed):
+        its γ (or the drafts it has) and whether its γ may not depend on load (a seeded request). `ragged`: the
+        engine scores each row's own drafts (vLLM), else every row at the widest (native). `drafted`: the drafts
+        exist, so drafting costs nothing more. A row in a fully accepted run is priced at α ≥ block/(block + 1),
+        so exploration survives the plan; after `probe_interval` plain steps in a row, the rows due a probe get
+        it. The caps themselves with batch_plan off, fixed_gamma, or gamma_min ≥ 1."""
+        caps = [cap for _, _, cap, _ in rows]
+        if not self.batch_plan or self.fixed_gamma is not None or self.gamma_min > 0:
+            return caps
+        alphas = []
+        for request_id, arm, _, _ in rows:
+            state, alpha = self._requests.get(request_id), self.alpha(request_id, arm)
+            alphas.append(alpha if state is None or not state.full_block else
+                          max(alpha, state.full_block / (state.full_block + 1)))
+        c = 0.0 if drafted or not any(caps) else self.draft_cost(batch_size)
+        plan = plan_drafts(alphas, caps, self.verify_cost(batch_size), batch_size=batch_size, draft_cost=c,
+                           ragged=ragged, fixed=[fixed for *_, fixed in rows])
+        if any(plan):
+            self._plain_steps = 0
+            return plan
+        self._plain_steps += 1
+        if self.probe_interval is None or self._plain_steps < self.probe_interval:
+            return plan
+        due = [self._due_probe(request_id) for request_id, *_ in rows]
+        if any(due):
+            self._plain_steps = 0
+        return [min(cap, 1) if probe else 0 for cap, probe in zip(caps, due)]
+
+    def _due_probe(self, request_id: str) -> bool:
+        state = self._requests.get(request_id)
+        return state is not None and state.plain_streak >= self.probe_interval
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state (its arm keeps what it learned)."""

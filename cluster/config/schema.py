@@ -190,9 +190,8 @@ class GammaSettings(_Strict):
     gamma_min: int = Field(0, ge=0, le=MAX_GAMMA, description="Smallest γ the adaptive policy picks (0 = plain).")
     gamma_max: int = Field(8, ge=1, le=MAX_GAMMA, description="Largest γ the adaptive policy picks.")
     prior_alpha: float = Field(0.6, gt=0, lt=1, description="Prior acceptance rate α before any rounds are seen.")
-    draft_cost: float = Field(
-        0.05, ge=0, description="Prior c: one drafter step's cost relative to one target step, until measured."
-    )
+    draft_cost: float = Field(0.05, ge=0, description="Prior c (a drafter step over a target step), until measured.")
+    batch_plan: bool = Field(True, description="Cut the drafts that do not pay for their batched step (adaptive mode).")
 
     @model_validator(mode="after")
     def _bounds(self) -> GammaSettings:

@@ -76,6 +76,7 @@ def policy_kwargs(config: SpecServeConfig) -> dict[str, Any]:
         prior_alpha=gamma.prior_alpha,
         draft_cost=gamma.draft_cost,
         fixed_gamma=gamma.fixed if gamma.mode == "fixed" else None,
+        batch_plan=gamma.batch_plan,
     )
 
 

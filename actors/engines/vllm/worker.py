@@ -26,6 +26,7 @@ from actors.policy import InProcessLink, PolicyCore, UnitPolicy
 from actors.engines.vllm.sampling import KEY, allowed, worker_request
 from policies import PAD_TOKEN_ID
 from policies.asd import ASDConfig, verify_asd_scores
+from policies.batch_plan import scored_tokens
 from policies.scores import TargetScores, compact_scores
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,10 @@ class WorkerState:
                 if batch_drafts.confidence is not None:
                     self._drafted[book.rid] = (lens[j], (tuple(batch_drafts.confidence[j, : lens[j]].tolist()),
                                                          int(batch_drafts.match_lens[j])))
+            keep = self.policy.plan_step([(b.rid, b.request.arm.name, len(drafts[i]), b.seeded) for i, b, _ in wanted],
+                                         len(sampled_token_ids), drafted=True)  # the step's drafts, priced whole
+            for (i, _, _), k in zip(wanted, keep):
+                drafts[i] = drafts[i][:k]
         self._end_round(rows, [len(d) for d in drafts])
         self._last_draft_steps = self._last_score_tokens - 1
         return drafts
@@ -159,7 +164,8 @@ class WorkerState:
         before = self.runner.input_batch.num_tokens_no_spec  # this step's tokens are not in it yet
         rows = self._round(emitted, [int(before[i]) + e for i, e in enumerate(emitted)])
         req_ids = self.runner.input_batch.req_ids
-        self._gammas = {req_ids[i]: g for i, _, g in rows}
+        keep = self.policy.plan_step([(b.rid, b.request.arm.name, g, b.seeded) for _, b, g in rows], len(tokens))
+        self._gammas = {req_ids[i]: k for (i, _, _), k in zip(rows, keep)}
         self.draft_len = max(self._gammas.values(), default=0)
         self._end_round(rows, [self._gammas.get(r, 0) for r in req_ids[: len(tokens)]])
 
@@ -212,9 +218,10 @@ class WorkerState:
 
     def _end_round(self, rows: list[tuple[int, RequestBook, int]], lens: list[int]) -> None:
         """The rows' drafts for the next step are `lens[i]` long (what `_account` reads back after it)."""
-        for i, book, _ in rows:
-            if book.rid not in self._drafted or self._drafted[book.rid][0] != lens[i]:
-                self._drafted[book.rid] = (lens[i], ((), 0))
+        for i, book, _ in rows:  # drafts cut short keep their tokens' confidences
+            k, (confidence, match_len) = self._drafted.get(book.rid, (0, ((), 0)))
+            self._drafted[book.rid] = (lens[i], (confidence[: lens[i]], match_len) if confidence and k >= lens[i]
+                                       else ((), 0))
         self._last_score_tokens = scored_tokens(lens)
         self.policy.flush()
         if len(self.books) > _PRUNE_AT:
@@ -317,14 +324,6 @@ class WorkerState:
 
 
 WORKER: WorkerState | None = None  # this process's state (one vLLM worker per process)
-
-
-def scored_tokens(lens: list[int]) -> int:
-    """The n (tokens scored per row) a step with these draft lengths is costed at: 1 only when no row drafted,
-    else 1 + the rows' mean draft, at least 2. A step with any draft pays vLLM's speculative path whole, so it
-    must not raise the plain baseline (which would make every v(γ) look cheaper)."""
-    drafted = sum(lens)
-    return 1 if drafted == 0 else 1 + max(1, round(drafted / len(lens)))
 
 
 def state_for(runner) -> WorkerState | None:

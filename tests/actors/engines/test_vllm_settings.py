@@ -63,13 +63,3 @@ def test_drafts_are_cut_before_a_token_the_rules_ban():
     plain = GenerationRequest("r", [1], SamplingParams(max_tokens=9))
     assert allowed(plain, [7, 0], context_len=1) == [7, 0]
 
-
-def test_a_step_is_costed_as_plain_decoding_only_when_no_row_drafted():
-    from actors.engines.vllm.worker import scored_tokens
-
-    assert scored_tokens([0, 0, 0]) == 1
-    assert scored_tokens([]) == 1
-    # one short draft in a batch of 8 runs vLLM's speculative path: not a plain step (round(1/8) would say 1)
-    assert scored_tokens([1, 0, 0, 0, 0, 0, 0, 0]) == 2
-    assert scored_tokens([3]) == 4
-    assert scored_tokens([4, 2, 0, 2]) == 3
