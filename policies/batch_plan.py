@@ -1,8 +1,6 @@
-"""The step's draft plan: how many drafts each row of one batched step verifies, priced for the step as a whole.
+"""The step's draft plan: how many drafts each row of one batched step verifies, priced for the step as a whole
+(why: docs/architecture.md, "The step's draft plan").
 
-A per-row γ choice prices a row's drafts as if the whole batch drafted alike. A batched step does not cost that:
-once any row drafts, the engine takes its speculative path (a fixed cost paid by every row), and then each draft
-token adds its share. So a few rows with modest acceptance can make the whole step slower than plain decoding.
 `plan_drafts` chooses the counts d_i ≤ cap_i that maximise the step's expected tokens per unit of cost,
 
     T(d) = (B + Σ_i (E(α_i, d_i) − 1)) / (cost(d) + c · max_i d_i),      T(0) = B (plain decoding),
@@ -84,7 +82,7 @@ def _padded(gain, cap, pinned, base, v, batch_size, draft_cost) -> list[int]:
 
 
 def _best(rates: np.ndarray) -> int:
-    """The first index whose rate beats every earlier one by more than `_TIE` (relative) and is the largest."""
+    """The index of the largest rate; a later index wins only by more than `_TIE` (relative)."""
     best = 0
     for j in range(1, len(rates)):
         if rates[j] > rates[best] * (1 + _TIE):

@@ -279,14 +279,7 @@ class GammaPolicy:
         caps = [cap for _, _, cap, _ in rows]
         if not self.batch_plan or self.fixed_gamma is not None or self.gamma_min > 0:
             return caps
-        alphas = []
-        for request_id, arm, _, _ in rows:
-            state, alpha = self._requests.get(request_id), self.alpha(request_id, arm)
-            alphas.append(alpha if state is None or not state.full_block else
-                          max(alpha, state.full_block / (state.full_block + 1)))
-        c = 0.0 if drafted or not any(caps) else self.draft_cost(batch_size)
-        plan = plan_drafts(alphas, caps, self.verify_cost(batch_size), batch_size=batch_size, draft_cost=c,
-                           ragged=ragged, fixed=[fixed for *_, fixed in rows])
+        plan = self._plan(rows, caps, batch_size, ragged, drafted) if any(caps) else caps
         if any(plan):
             self._plain_steps = 0
             return plan
@@ -297,6 +290,16 @@ class GammaPolicy:
         if any(due):
             self._plain_steps = 0
         return [min(cap, 1) if probe else 0 for cap, probe in zip(caps, due)]
+
+    def _plan(self, rows, caps: list[int], batch_size: int, ragged: bool, drafted: bool) -> list[int]:
+        alphas = []
+        for request_id, arm, _, _ in rows:
+            state, alpha = self._requests.get(request_id), self.alpha(request_id, arm)
+            alphas.append(alpha if state is None or not state.full_block else
+                          max(alpha, state.full_block / (state.full_block + 1)))
+        return plan_drafts(alphas, caps, self.verify_cost(batch_size), batch_size=batch_size,
+                           draft_cost=0.0 if drafted else self.draft_cost(batch_size), ragged=ragged,
+                           fixed=[fixed for *_, fixed in rows])
 
     def _due_probe(self, request_id: str) -> bool:
         state = self._requests.get(request_id)
