@@ -95,6 +95,18 @@ def markdown(results: dict, plots: list[str]) -> str:
                           f"{_fmt(r['mean_accepted_length'])} ({_fmt(r['exact_mean_accepted_length'])})",
                           r["regret_spent_mean"], str(r["relaxed_tokens"]), r["exact_match_rate"], r["token_agreement"]]
                          for w, a in asd.items() for r in a["settings"]])
+        parts = [(w, r["setting"], r["decomposition"]) for w, a in asd.items() for r in a["settings"]
+                 if r.get("decomposition")]
+        if parts:
+            lines += ["", "Tokens per round, decomposed (bench.decompose): exact on its own path, exact greedy "
+                      "verification replayed on the ASD arm's rounds, and the ASD arm.", ""]
+            lines += _table(["workload", "setting", "exact", "exact on ASD's path", "ASD", "trajectory ×",
+                             "relaxation ×", "relaxed/round", "γ mean exact / ASD", "replay agreement"],
+                            [[w, s, d["tokens_per_round"]["exact"], d["tokens_per_round"]["exact_on_asd_path"],
+                              d["tokens_per_round"]["asd"], d["trajectory_gain"], d["relaxation_gain"],
+                              d["relaxed_per_round"],
+                              f"{_fmt(d['gamma_mean']['exact'])} / {_fmt(d['gamma_mean']['asd'])}",
+                              d["replay_agreement"]] for w, s, d in parts])
     from bench.sampled import markdown as sampled_markdown
 
     lines += sampled_markdown(sections.get("sampled", {}))

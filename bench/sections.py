@@ -4,7 +4,8 @@ finishes.
 - `single_stream`: per workload at concurrency 1: target-only, the fixed-γ sweep, adaptive γ; identical-token
   check against target-only; α, c, v(γ) and the predicted speedup of every mode (`bench.speedup`).
 - `batched`: the same sweep at concurrency N (γ under load).
-- `asd`: ASD arms against exact verification: tokens/s, accepted length, regret spent, divergence.
+- `asd`: ASD arms against exact verification: tokens/s, accepted length, regret spent, divergence, and where
+  the extra tokens per round come from (`bench.decompose`).
 - `hf_peer`: Hugging Face `generate` on the same prompts.
 - `http`: the concurrency sweep through the Serve app.
 """
@@ -16,6 +17,7 @@ import statistics
 
 from actors.requests import ArmSpec
 from bench import speedup
+from bench.decompose import decompose
 from bench.harness import ADAPTIVE, TARGET_ONLY, InProcessBench, Mode, RunMeasure, best_of, fixed
 from bench.plan import ASDSetting, BenchPlan
 from bench.workloads import Prompt
@@ -83,13 +85,14 @@ def batched(bench: InProcessBench, prompts: list[Prompt], plan: BenchPlan) -> di
 def asd(bench: InProcessBench, prompts: list[Prompt], settings: list[tuple[str, ASDSetting]],
         reference: list[list[int]]) -> dict:
     """ASD arms (adaptive γ) interleaved with the exact arm (adaptive γ); divergence against `reference`, the
-    target-only greedy tokens."""
+    target-only greedy tokens; each arm's tokens per round decomposed (bench.decompose)."""
     modes = [ADAPTIVE] + [
         Mode(f"asd_{label}", arm=ArmSpec(label, "asd", s.to_asd_config()))
         for label, s in settings]
     runs = bench.sweep(prompts, modes, 1)
     exact = runs["adaptive"]
     exact_summary = exact.summary()
+    prompt_ids = {p.name: p.ids for p in prompts}
     rows = []
     for (label, setting), mode in zip(settings, modes[1:]):
         run = runs[mode.name]
@@ -108,6 +111,7 @@ def asd(bench: InProcessBench, prompts: list[Prompt], settings: list[tuple[str, 
             "relaxed_tokens": summary.get("relaxed_tokens", 0),
             "exact_match_rate": statistics.fmean(o == ref for o, ref in zip(outputs, refs)),
             "token_agreement": statistics.fmean(agreement),
+            "decomposition": decompose(bench.engine, prompt_ids, exact, run),
         }
         log.info("  %s asd %s: %.2f tok/s (%.2fx exact), agreement %.2f", prompts[0].workload, label,
                  run.tokens_per_s, row["vs_exact"] or 0, row["token_agreement"])

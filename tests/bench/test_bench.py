@@ -68,6 +68,16 @@ def test_nothing_drafted_predicts_plain_decoding():
     assert speedup.fit(plain, plain)["predicted"] == 1.0
 
 
+def test_exact_kept_stops_at_the_first_draft_that_is_not_greedy():
+    from bench.decompose import exact_kept
+
+    output = [5, 1, 2, 3, 9, 4, 4, 7]  # the prefill's token, then a round keeps 3, then one keeps 2
+    greedy = [5, 1, 8, 3, 9, 4, 4, 7]  # position 2 was a relaxed token
+    rows = [RowRecord("r", "asd", 3, 3, relaxed=1), RowRecord("r", "asd", 2, 2), RowRecord("r", "asd", 0, 0)]
+    assert exact_kept(rows, output, greedy) == [1, 2, 0]
+    assert exact_kept(rows, output, output) == [3, 2, 0]  # an exact arm's rounds replay to what they kept
+
+
 def test_percentile_interpolates():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([5.0], 95) == 5.0 and percentile([], 50) is None
@@ -112,6 +122,8 @@ def test_suite_writes_results_report_and_plots(tiny_config, tmp_path):
     assert results["meta"]["skipped"] == ["http", "quality", "sampled"]  # quick leaves out sampled and quality
     for single in results["sections"]["single"].values():
         assert all(single["identical"].values())  # exact greedy speculation == target-only decoding
+    for asd in results["sections"]["asd"].values():  # the replay sees the engine's own greedy tokens
+        assert all(r["decomposition"]["replay_agreement"] == 1.0 for r in asd["settings"])
     report = (out / "report.md").read_text()
     assert "## Goals" in report and "spec_vs_target_only" in report
     assert {"gamma_sweep.png", "asd_frontier.png", "peer.png", "predicted_vs_realized.png"} <= {
