@@ -101,7 +101,8 @@ class SilentLink(InProcessLink):
         self.held = []
 
 
-def test_an_authority_that_does_not_answer_stalls_no_round(tiny):
+def test_an_authority_that_does_not_answer_stalls_no_round(tiny, monkeypatch):
+    monkeypatch.setattr("actors.policy.SYNC_TIMEOUT_S", 0.5)  # the waits off the step path give up sooner
     core = PolicyCore(**SETTINGS)
     coord = unit(tiny, core, "s")
     coord.policy = UnitPolicy(SilentLink(core), unit="s", **SETTINGS)
