@@ -31,7 +31,7 @@ def greedy_along(engine, prompt_ids: Sequence[int], output_ids: Sequence[int]) -
                                 num_logits=[len(output_ids)])
     finally:
         engine.release(REPLAY_ID)
-    return logits[0, -len(output_ids):].argmax(-1).tolist()
+    return logits[0].argmax(-1).tolist()
 
 
 def exact_kept(rows: Sequence[RowRecord], output_ids: Sequence[int], greedy: Sequence[int]) -> list[int]:
@@ -49,8 +49,9 @@ def exact_kept(rows: Sequence[RowRecord], output_ids: Sequence[int], greedy: Seq
 
 
 def replay(engine, run, prompt_ids: dict[str, Sequence[int]]) -> dict[str, int]:
-    """A single-stream run's rounds (its median repeat) replayed: rounds, drafted, kept, kept by exact greedy
-    verification, and relaxed."""
+    """A single-stream `RunMeasure`'s rounds (its median repeat) replayed on `engine`: rounds, drafted, kept,
+    kept by exact greedy verification, and relaxed. Rows map to prompts by the harness's request ids
+    (`<prompt name>#<n>`)."""
     rows: dict[str, list[RowRecord]] = defaultdict(list)
     for record in run.rounds:
         for row in record.rows:
@@ -69,11 +70,10 @@ def replay(engine, run, prompt_ids: dict[str, Sequence[int]]) -> dict[str, int]:
     return totals
 
 
-def decompose(engine, prompt_ids: dict[str, Sequence[int]], exact_run, asd_run) -> dict:
-    """The decomposition of one ASD run against the exact run of the same prompts (module docstring).
-    `replay_agreement`: the exact run's kept drafts that its replay finds greedy (1.0 up to float near-ties),
-    the check that the replay sees what the engine saw."""
-    exact, asd = replay(engine, exact_run, prompt_ids), replay(engine, asd_run, prompt_ids)
+def decompose(exact: dict[str, int], asd: dict[str, int]) -> dict:
+    """The decomposition (module docstring) of an ASD run against the exact run of the same prompts, from their
+    `replay` totals; {} when either has no rounds. `replay_agreement`: the exact run's kept drafts that its
+    replay finds greedy (1.0 up to float near-ties), the check that the replay sees what the engine saw."""
     if not exact["rounds"] or not asd["rounds"]:
         return {}
 

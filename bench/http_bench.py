@@ -78,7 +78,9 @@ class ServedApp:
 
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:  # the served app at the priority of the in-process runs it is compared with
-            os.environ.setdefault("RAY_worker_niceness", "0")  # docs/architecture.md, "Process priority"
+            from cluster.serving.app import serve_at_normal_priority
+
+            serve_at_normal_priority()
             ray.init(address="local", num_cpus=self.num_cpus or os.cpu_count() or 2, include_dashboard=False,
                      log_to_driver=False, configure_logging=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})

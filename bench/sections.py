@@ -17,7 +17,7 @@ import statistics
 
 from actors.requests import ArmSpec
 from bench import speedup
-from bench.decompose import decompose
+from bench.decompose import decompose, replay
 from bench.harness import ADAPTIVE, TARGET_ONLY, InProcessBench, Mode, RunMeasure, best_of, fixed
 from bench.plan import ASDSetting, BenchPlan
 from bench.workloads import Prompt
@@ -93,6 +93,7 @@ def asd(bench: InProcessBench, prompts: list[Prompt], settings: list[tuple[str, 
     exact = runs["adaptive"]
     exact_summary = exact.summary()
     prompt_ids = {p.name: p.ids for p in prompts}
+    exact_replay = replay(bench.engine, exact, prompt_ids)  # once, for every ASD arm's decomposition
     rows = []
     for (label, setting), mode in zip(settings, modes[1:]):
         run = runs[mode.name]
@@ -111,7 +112,7 @@ def asd(bench: InProcessBench, prompts: list[Prompt], settings: list[tuple[str, 
             "relaxed_tokens": summary.get("relaxed_tokens", 0),
             "exact_match_rate": statistics.fmean(o == ref for o, ref in zip(outputs, refs)),
             "token_agreement": statistics.fmean(agreement),
-            "decomposition": decompose(bench.engine, prompt_ids, exact, run),
+            "decomposition": decompose(exact_replay, replay(bench.engine, run, prompt_ids)),
         }
         log.info("  %s asd %s: %.2f tok/s (%.2fx exact), agreement %.2f", prompts[0].workload, label,
                  run.tokens_per_s, row["vs_exact"] or 0, row["token_agreement"])

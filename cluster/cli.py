@@ -53,9 +53,9 @@ def _start_ray(address: str | None) -> bool:
         except ConnectionError:
             if address != "auto":
                 raise
-    # Ray starts its workers at niceness 15; here they are the server (replicas, engines), which should not
-    # yield to every other process on the machine (docs/architecture.md, "Process priority")
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    from cluster.serving.app import serve_at_normal_priority
+
+    serve_at_normal_priority()
     ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level=logging.WARNING)
     return True
 

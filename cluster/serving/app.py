@@ -16,6 +16,7 @@ the replicas over the nodes that fit them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,12 @@ from cluster.serving.ingress import OpenAIIngress
 DECODER_DEPLOYMENT = "DecoderUnit"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 HEALTH_CHECK_PERIOD_S = 2.0  # how often Serve asks a decoder replica whether its unit can serve
+
+
+def serve_at_normal_priority() -> None:
+    """Call before starting a local Ray cluster: its workers (the server's replicas and engines) run at niceness
+    0, not Ray's 15, unless `RAY_worker_niceness` is set (docs/architecture.md, "Process priority")."""
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def resolve_config(value: Any) -> SpecServeConfig:

@@ -126,7 +126,6 @@ def test_generate_no_speculation_matches_speculation_greedy(tiny_llama_dir, tmp_
     assert outputs[0] == outputs[1]  # exact greedy speculation reproduces the target's greedy output
 
 
-@pytest.mark.slow
 def _descendants(pid: int) -> list[tuple[str, int | None]]:
     """(command line, niceness) of every process below `pid`, from `ps`."""
     import subprocess
@@ -145,6 +144,7 @@ def _descendants(pid: int) -> list[tuple[str, int | None]]:
     return out
 
 
+@pytest.mark.slow
 def test_serve_starts_answers_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
     """`specserve serve` starts its own local Ray (token auth on, as Ray 2.60 defaults) with its workers at
     niceness 0, prints the URL, answers, and on SIGTERM shuts Serve and Ray down and exits 0."""
