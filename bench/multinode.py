@@ -11,6 +11,8 @@ the node list.
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -206,3 +208,32 @@ def node_fault(config: dict, port: int, load) -> dict:
             return result
         finally:
             serve.shutdown()
+
+
+
+SIM_RESOURCE = "specserve-sim"  # the worker node that simulated units run on (the capacity sections)
+
+
+def _run_point(point, units: int, kwargs: dict) -> dict:
+    import asyncio
+
+    import torch
+
+    torch.set_num_threads(1)
+    return asyncio.run(point(units, **kwargs))
+
+
+def across_nodes(point, counts, **kwargs) -> list[dict]:
+    """`point(n, **kwargs)` (a coroutine function: n simulated units against an app singleton) for each n in
+    `counts`, run on a worker node of a two-node cluster while the singleton sits on the head, as the manifests
+    place it: every report crosses the node boundary. One cluster for all points; one line per point on stderr."""
+    import ray
+
+    run = ray.remote(num_cpus=0, resources={SIM_RESOURCE: 1}, max_retries=0)(_run_point)
+    points = []
+    with LocalCluster({"sim": {"num_cpus": 1, "resources": {SIM_RESOURCE: 1}}}):
+        for n in counts:
+            points.append(ray.get(run.remote(point, n, kwargs)))
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in points[-1].items()}),
+                  file=sys.stderr, flush=True)
+    return points

@@ -13,12 +13,10 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import ray
-import torch
 
 from actors.policy import UnitPolicy
 from actors.remote.policy import ActorLink, get_or_create_policy_actor
@@ -101,22 +99,17 @@ async def one_point(units: int, *, seconds: float, step_hz: float, rows: int) ->
 
 
 def main_section(args: argparse.Namespace, command: str) -> int:
-    """`specserve bench --section policy [--quick] [--out DIR]`: the capacity curve, in DIR/policy_capacity.json
-    and one line per point on stderr (the γ settings are the defaults; the config is not used)."""
+    """`specserve bench --section policy [--quick] [--out DIR]`: the capacity curve, the simulated units on a worker
+    node and the actor on the head (`bench.multinode.across_nodes`), in DIR/policy_capacity.json and one line per
+    point on stderr (the γ settings are the defaults; the config is not used)."""
+    from bench.multinode import across_nodes
+
     units = (1, 16, 64) if args.quick else UNITS
     seconds = 3.0 if args.quick else 6.0
-    torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    points = []
-    try:
-        for n in units:
-            points.append(asyncio.run(one_point(n, seconds=seconds, step_hz=STEP_HZ, rows=ROWS)))
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in points[-1].items()}),
-                  file=sys.stderr)
-    finally:
-        ray.shutdown()
+    points = across_nodes(one_point, units, seconds=seconds, step_hz=STEP_HZ, rows=ROWS)
     out = Path(args.out or "bench-out/policy")
     out.mkdir(parents=True, exist_ok=True)
     (out / "policy_capacity.json").write_text(json.dumps({"command": command, "step_hz": STEP_HZ, "rows": ROWS,
+                                                          "nodes": "units on a worker node, the actor on the head",
                                                           "points": points}, indent=1))
     return 0

@@ -50,13 +50,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--port", type=int, default=8765, help="HTTP port of the benchmark app (127.0.0.1)")
     parser.add_argument("--quality-suite", default=None, help="override: the quality section's eval suite")
     parser.add_argument("--quality-problems", type=int, default=None, help="override: its first N problems")
-    parser.add_argument("--section", choices=("all", "reliability", "vllm", "policy", "breakdown", "features"),
+    parser.add_argument("--section", choices=("all", "reliability", "vllm", "policy", "hub", "breakdown", "features"),
                         default="all",
                         help="reliability: fuzzing, faults under load, long-prefill stall (bench.reliability); "
                         "breakdown: one request's time per hop on both engines at 1, 8 and 32 streams "
                         "(bench.breakdown); features: what logprobs, penalties and a JSON schema cost on both "
                         "engines, speculative and target-only, at 1 and 8 streams (bench.features); "
                         "policy: the policy actor's capacity with 1 to 256 simulated units (bench.policy_capacity); "
+                        "hub: the telemetry hub's, the same way (bench.hub_capacity); "
                         "vllm: specserve (both engines) vs vLLM's own server (bench.vllm_peer; "
                         "CONFIG defaults to configs/local-vllm.yaml)")
     return parser
@@ -321,6 +322,10 @@ def run_command(args: argparse.Namespace) -> int:
         return main_section(args, command_line(args))
     if args.section == "policy":
         from bench.policy_capacity import main_section
+
+        return main_section(args, command_line(args))
+    if args.section == "hub":
+        from bench.hub_capacity import main_section
 
         return main_section(args, command_line(args))
     try:

@@ -173,6 +173,7 @@ class TelemetryHub:
         self._requests: deque[dict] = deque(maxlen=max_rows)
         self._audits: deque[dict] = deque(maxlen=max_rows)
         self._seen = {"requests": 0, "audits": 0}
+        self._load = {"batches": 0, "rounds": 0, "requests": 0, "audits": 0, "busy_s": 0.0}
         self._registry = CollectorRegistry()
         self._provider: MeterProvider | None = None
         self._m: dict[str, Any] = {}
@@ -213,15 +214,27 @@ class TelemetryHub:
     def record(self, batch: Iterable[RoundRecord | RequestRecord | AuditRecord]) -> None:
         """Take a batch of records from a unit (or the audit runner); unknown types are logged and skipped."""
         with self._lock:
+            start = time.perf_counter()
             for item in batch:
                 if isinstance(item, RoundRecord):
                     self._on_round(item)
+                    self._load["rounds"] += 1
                 elif isinstance(item, RequestRecord):
                     self._on_request(item)
+                    self._load["requests"] += 1
                 elif isinstance(item, AuditRecord):
                     self._on_audit(item)
+                    self._load["audits"] += 1
                 else:
                     logger.warning("telemetry hub: ignoring record of type %s", type(item).__name__)
+            self._load["batches"] += 1
+            self._load["busy_s"] += time.perf_counter() - start
+
+    def load(self) -> dict[str, float]:
+        """What the hub has taken so far: batches, the rounds, requests and audits in them, and the seconds it spent
+        taking them."""
+        with self._lock:
+            return dict(self._load)
 
     def _note_arm(self, arm: str) -> None:
         if arm not in self._arms:

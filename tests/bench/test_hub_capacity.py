@@ -1,0 +1,13 @@
+"""The hub-capacity section runs: simulated units send their records to a real hub actor, and every batch is
+taken."""
+
+import asyncio
+
+from bench.hub_capacity import one_point
+
+
+def test_one_point_measures_what_the_hub_took_its_busy_share_and_latency(ray_cluster):
+    point = asyncio.run(one_point(2, seconds=1.0, step_hz=50.0, rows=4))
+    assert point["units"] == 2 and point["rounds_per_s_sent"] > 20
+    assert point["latency_ms_p50"] is not None and 0 < point["hub_busy"] < 1
+    assert point["batches_per_s"] > 0 and point["drain_s"] >= 0
