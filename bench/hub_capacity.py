@@ -1,13 +1,15 @@
-"""The telemetry hub's capacity: simulated units send their records at a GPU step rate, from 1 to 256 units.
+"""The telemetry hub's capacity: simulated units report at a GPU step rate, from 1 to 256 units.
 
-Each simulated unit is a real `UnitObserver` (the unit's side) sending to one real hub actor, as a Serve replica
-does: per step one `RoundRecord` of `rows` rows, a `RequestRecord` whenever one of its rows finishes a request
-(`REQUEST_TOKENS` tokens at `TOKENS_PER_ROUND` a round), and a flush every `FLUSH_S`. Per unit count: the rounds
-and requests the units sent per second, the batches and requests the hub took per second, its busy share, each
-batch's latency (sent to taken), and how long the hub took after the load stopped to take what was still
-queued (`drain_s`: a backlog that grows without bound is a saturated hub), and one scrape of `/metrics` after
-it (`scrape_ms`, `scrape_kib`). The simulators share this machine's cores with the hub, so the figures are
-lower bounds.
+Each simulated unit sends one real hub actor what a Serve replica's `UnitObserver` sends it: every `FLUSH_S`, a
+report of the `RequestRecord`s its rows finished since the last (`REQUEST_TOKENS` tokens at `TOKENS_PER_ROUND` a
+round, `rows` rows stepping at `step_hz`) and its metrics' snapshot, made once per unit from a `MetricsRecorder`
+that counted a representative run (the hub's work does not depend on the snapshot's values). What a unit spends
+counting its own rounds is measured apart: `unit_us_per_round`, one real recorder counting `rows`-row rounds,
+and `unit_ms_per_snapshot`. Per unit count: the requests the units sent per second, the reports and requests
+the hub took per second, its busy share, each report's latency (sent to taken), and how long the hub took after
+the load stopped to take what was still queued (`drain_s`: a backlog that grows without bound is a saturated
+hub), and one scrape of `/metrics` after it (`scrape_ms`, `scrape_kib`). The simulators share this machine's
+cores with the hub, so the figures are lower bounds.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from pathlib import Path
 
 import ray
 
+from prometheus_client.metrics_core import Metric
+
 from actors.stats import RequestRecord, RoundRecord, RowRecord
 from cluster.config import TelemetrySettings
-from cluster.observability.observer import UnitObserver
+from cluster.observability.metrics import MetricsRecorder
 from cluster.observability.telemetry import get_or_create_hub, kill_hub
 
 UNITS = (1, 4, 16, 64, 256)
@@ -54,14 +58,14 @@ def request_record(unit: str, n: int) -> RequestRecord:
 
 
 class TimedSender:
-    """`send` for a `UnitObserver`: the hub's `record` as a replica calls it, each batch's latency recorded."""
+    """Sends reports to the hub as `remote_sender` does, each report's latency recorded."""
 
     def __init__(self, hub, latencies: list[float], pending: set):
         self.hub, self.latencies, self.pending = hub, latencies, pending
 
-    def __call__(self, batch: list) -> None:
+    def __call__(self, unit: str, rows: list, snapshot: list | None) -> None:
         start = time.perf_counter()
-        future = self.hub.record.remote(batch).future()
+        future = self.hub.report.remote(unit, rows, snapshot).future()
         self.pending.add(future)
 
         def done(f) -> None:
@@ -71,38 +75,69 @@ class TimedSender:
         future.add_done_callback(done)
 
 
+def unit_costs(rows: int, rounds: int = 200) -> tuple[float, float, list]:
+    """What one unit spends on its own metrics: µs to count a `rows`-row round (requests included at their
+    rate; counted a flush's worth at a time, as the observer does), ms per snapshot, and the snapshot after `rounds` rounds (the representative one the units send)."""
+    recorder = MetricsRecorder(TelemetrySettings())
+    per_step = rows * TOKENS_PER_ROUND / REQUEST_TOKENS
+    records, finished = [], 0.0
+    for step in range(rounds):
+        records.append(round_record("sim", step, rows))
+        finished += per_step
+        while finished >= 1:
+            finished -= 1
+            records.append(request_record("sim", len(records)))
+    per_flush = max(1, round(STEP_HZ * FLUSH_S))  # a flush's rounds (and the requests among them) at a time
+    start = time.perf_counter()
+    for i in range(0, len(records), per_flush):
+        recorder.record(records[i:i + per_flush])
+    per_round = (time.perf_counter() - start) / rounds
+    start = time.perf_counter()
+    snapshot = recorder.snapshot()
+    per_snapshot = time.perf_counter() - start
+    recorder.shutdown()
+    return 1e6 * per_round, 1e3 * per_snapshot, snapshot
+
+
+def relabel(snapshot: list, unit: str) -> list:
+    """`snapshot` as unit `unit`'s (its series carry their unit's label)."""
+    out = []
+    for family in snapshot:
+        copy = Metric(family.name, family.documentation, family.type, family.unit)
+        copy.samples = [s._replace(labels={**s.labels, "unit": unit}) for s in family.samples]
+        out.append(copy)
+    return out
+
+
 async def one_point(units: int, *, seconds: float, step_hz: float = STEP_HZ, rows: int = ROWS) -> dict:
     """Drive `units` simulated units for `seconds` against a fresh hub; the point's figures (module docstring)."""
     name = f"capacity-hub-{units}-{time.monotonic_ns()}"
     hub = get_or_create_hub(name, TelemetrySettings(metrics=True), ARMS)
     first = await hub.load.remote()
+    unit_us, snapshot_ms, snapshot = unit_costs(rows)
     latencies: list[float] = []
     pending: set = set()
     send = TimedSender(hub, latencies, pending)
     names = [f"sim{u}" for u in range(units)]
-    observers = [UnitObserver(send, unit, TelemetrySettings(), max_batch=10_000, flush_interval_s=None)
-                 for unit in names]
-    per_step = rows * TOKENS_PER_ROUND / REQUEST_TOKENS  # requests a unit finishes per step
-    flush_every = max(1, round(FLUSH_S * step_hz))
+    snapshots = [relabel(snapshot, unit) for unit in names]
+    per_flush = rows * TOKENS_PER_ROUND / REQUEST_TOKENS * step_hz * FLUSH_S  # requests a unit finishes per flush
+    flush_hz = 1.0 / FLUSH_S
     t0 = time.perf_counter()
-    step = requests = 0
+    tick = requests = 0
     finished = [0.0] * units
+    ticks_per_flush = max(1, round(step_hz * FLUSH_S))  # flushes are spread over the steps of a flush interval
     while time.perf_counter() - t0 < seconds:
-        for u, observer in enumerate(observers):
-            observer.on_round(round_record(names[u], step, rows))
-            finished[u] += per_step
+        for u in range(tick % ticks_per_flush, units, ticks_per_flush):
+            finished[u] += per_flush
+            rows_out = []
             while finished[u] >= 1:
                 finished[u] -= 1
-                observer.on_request(request_record(names[u], requests))
+                rows_out.append(request_record(names[u], requests))
                 requests += 1
-            if (step + u) % flush_every == 0:
-                observer.flush(grace_s=0.0)
-        step += 1
-        behind = t0 + step / step_hz - time.perf_counter()
-        await asyncio.sleep(max(0.0, behind))
+            send(names[u], rows_out, snapshots[u])
+        tick += 1
+        await asyncio.sleep(max(0.0, t0 + tick / step_hz - time.perf_counter()))
     wall = time.perf_counter() - t0
-    for observer in observers:
-        observer.close()
     sent_at = time.perf_counter()
     while pending:
         await asyncio.sleep(0.01)
@@ -115,7 +150,7 @@ async def one_point(units: int, *, seconds: float, step_hz: float = STEP_HZ, row
     latencies.sort()
     window = wall + drain
     return {
-        "units": units, "offered_rounds_per_s": units * step_hz, "rounds_per_s_sent": step * units / wall,
+        "units": units, "offered_rounds_per_s": units * step_hz, "reports_per_s_offered": units * flush_hz,
         "requests_per_s_sent": requests / wall,
         "batches_per_s": (last["batches"] - first["batches"]) / window,
         "requests_per_s": (last["requests"] - first["requests"]) / window,
@@ -124,6 +159,7 @@ async def one_point(units: int, *, seconds: float, step_hz: float = STEP_HZ, row
         "latency_ms_p50": 1e3 * latencies[len(latencies) // 2] if latencies else None,
         "latency_ms_p95": 1e3 * latencies[int(0.95 * (len(latencies) - 1))] if latencies else None,
         "drain_s": drain, "scrape_ms": 1e3 * scrape, "scrape_kib": len(text) / 1024,
+        "unit_us_per_round": unit_us, "unit_ms_per_snapshot": snapshot_ms,
     }
 
 

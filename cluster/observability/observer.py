@@ -1,7 +1,9 @@
-"""The `actors.stats.LoopObserver` of a unit: records to the telemetry hub in batches, and request traces.
+"""The `actors.stats.LoopObserver` of a unit: its metrics, its reports to the telemetry hub, and request traces.
 
-It buffers records and ships them to the hub in batches, fire-and-forget, from a background thread, so the
-loop never waits on telemetry; it also writes request span trees (`cluster.observability.tracing`).
+It buffers records and, from a background thread, counts them into the unit's own metrics
+(`cluster.observability.metrics`) and sends the hub a report: the finished requests' rows and the metrics'
+cumulative snapshot, fire-and-forget, so the loop never waits on telemetry and the hub's work does not grow with
+the step rate. It also writes request span trees (`cluster.observability.tracing`).
 """
 
 from __future__ import annotations
@@ -15,26 +17,30 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from actors.stats import RequestRecord, RoundRecord
 from cluster.config import TelemetrySettings
+from cluster.observability.metrics import MetricsRecorder
 from cluster.observability.tracing import RequestTracer, make_tracer_provider
 
 logger = logging.getLogger(__name__)
 
 FINISH_GRACE_S = 2.0  # a finished request's span tree waits this long at most for its last round record
+KEEPALIVE_S = 60.0  # an idle unit re-sends its snapshot this often, so the hub keeps its series (UNIT_TTL_S)
 
 
-def remote_sender(hub) -> Callable[[list], object]:
+def remote_sender(hub) -> Callable[[str, list, list | None], object]:
     """`send` for a hub actor handle: fire-and-forget, so the loop never waits on telemetry."""
-    return lambda batch: hub.record.remote(batch)
+    return lambda unit, rows, snapshot: hub.report.remote(unit, rows, snapshot)
 
 
 class UnitObserver:
-    """The `LoopObserver` of one unit: batches records to the hub and writes request traces.
+    """The `LoopObserver` of one unit: counts its metrics, reports to the hub and writes request traces.
 
-    `send(batch)` delivers a list of records to the hub: `remote_sender(hub)` for the app's hub actor
-    (fire-and-forget), or an in-process `TelemetryHub.record`. Records are sent when `max_batch` are buffered, and every
-    `flush_interval_s` by a daemon thread (None: no thread; call `flush()`), so `on_round` / `on_request`
-    only append to a list. Traces follow `settings.tracing`; `tracer_provider` overrides the provider the
-    settings would build (tests inject one with an in-memory exporter). `close()` flushes and stops.
+    `send(unit, rows, snapshot)` delivers a report to the hub (`TelemetryHub.report`): `remote_sender(hub)` for
+    the app's hub actor (fire-and-forget), or an in-process hub's `report`. Buffered records are counted and a
+    report sent when `max_batch` are buffered, and every `flush_interval_s` by a daemon thread (None: no thread;
+    call `flush()`), so `on_round` / `on_request` only append to a list. The snapshot is sent when something was
+    counted since the last report, and at least every `KEEPALIVE_S`. Traces follow `settings.tracing`;
+    `tracer_provider` overrides the provider the settings would build (tests inject one with an in-memory
+    exporter). `close()` flushes and stops.
     """
 
     def __init__(
@@ -50,9 +56,12 @@ class UnitObserver:
         self.settings = settings or TelemetrySettings()
         self.unit = unit
         self.max_batch = max_batch
-        self._send_batch = send
+        self._send_report = send
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one report at a time: the metrics are counted in order, sent once
         self._buffer: list = []
+        self._metrics = MetricsRecorder(self.settings) if self.settings.metrics or self.settings.otlp_endpoint else None
+        self._snapshot_s = -KEEPALIVE_S  # monotonic time of the last snapshot sent
         self._finishing: list[tuple] = []  # (RequestRecord, monotonic time) awaiting their last round record
         self._finished: list[tuple] = []  # (RequestRecord, rounds, dropped) ready for span emission
         self._owns_provider = tracer_provider is None
@@ -62,6 +71,7 @@ class UnitObserver:
         self._provider = provider
         self._tracer = RequestTracer(provider, unit) if provider is not None else None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a full buffer asks the thread to flush now
         self._thread = None
         if flush_interval_s is not None:
             self._thread = threading.Thread(
@@ -101,18 +111,29 @@ class UnitObserver:
         with self._lock:
             self._buffer.append(record)
             full = len(self._buffer) >= self.max_batch
-        if full:
+        if full and self._thread is not None:
+            self._wake.set()  # counting is the thread's work, never the loop's
+        elif full:
             self._send()
 
     def _send(self) -> None:
-        with self._lock:
-            batch, self._buffer = self._buffer, []
-        if not batch:
-            return
-        try:
-            self._send_batch(batch)
-        except Exception:  # telemetry must never break serving
-            logger.exception("unit %s: dropped %d telemetry records", self.unit, len(batch))
+        with self._send_lock:
+            with self._lock:
+                batch, self._buffer = self._buffer, []
+            now = time.monotonic()
+            if not batch and now - self._snapshot_s < KEEPALIVE_S:
+                return
+            try:
+                snapshot = None
+                if self._metrics is not None:
+                    self._metrics.record(batch)
+                    if batch or now - self._snapshot_s >= KEEPALIVE_S:
+                        snapshot, self._snapshot_s = self._metrics.snapshot(), now
+                rows = [item for item in batch if isinstance(item, RequestRecord)]
+                if rows or snapshot:
+                    self._send_report(self.unit, rows, snapshot)
+            except Exception:  # telemetry must never break serving
+                logger.exception("unit %s: dropped %d telemetry records", self.unit, len(batch))
 
     def flush(self, grace_s: float = FINISH_GRACE_S) -> None:
         """Send buffered records and write the span trees of finished requests whose last round has been
@@ -129,12 +150,17 @@ class UnitObserver:
                 logger.exception("unit %s: could not trace request %s", self.unit, record.request_id)
 
     def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
+        while True:
+            self._wake.wait(interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return  # close() flushes
             self.flush()
 
     def close(self) -> None:
         """Stop the flush thread, flush, and flush the tracer provider's exporters."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.flush(grace_s=0.0)
@@ -142,3 +168,5 @@ class UnitObserver:
             self._provider.force_flush()
             if self._owns_provider:
                 self._provider.shutdown()
+        if self._metrics is not None:
+            self._metrics.shutdown()

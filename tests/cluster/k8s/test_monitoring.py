@@ -14,7 +14,7 @@ from cluster.config import load_config
 from cluster.k8s.crd import strict_errors
 from cluster.k8s.monitoring import render_podmonitor, render_podmonitor_file, shipped_podmonitors
 from cluster.k8s.render import REPO_ROOT, render_rayservice, shipped_manifests
-from cluster.observability.telemetry import METRICS
+from cluster.observability.metrics import METRICS
 from cluster.serving.guard import API_KEYS_FILE_ENV
 
 MONITORS = shipped_podmonitors()

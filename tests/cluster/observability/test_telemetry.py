@@ -8,15 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from actors.stats import RequestRecord, RoundRecord, RowRecord
 from cluster.config import TelemetrySettings
+from cluster.observability.metrics import METRICS, round_arm
 from cluster.observability.observer import UnitObserver, remote_sender
-from cluster.observability.telemetry import (
-    EXPORT_SCHEMA,
-    METRICS,
-    TelemetryHub,
-    get_or_create_hub,
-    kill_hub,
-    round_arm,
-)
+from cluster.observability.telemetry import EXPORT_SCHEMA, TelemetryHub, get_or_create_hub, kill_hub
 from cluster.observability.tracing import make_tracer_provider
 from cluster.serving.audit import compare
 
@@ -142,7 +136,7 @@ def test_export_rows_and_ring_buffer():
 
 def test_observer_batches_to_in_process_hub():
     hub = TelemetryHub(TelemetrySettings())
-    observer = UnitObserver(hub.record, "u0", TelemetrySettings(), max_batch=100, flush_interval_s=None)
+    observer = UnitObserver(hub.report, "u0", TelemetrySettings(), max_batch=100, flush_interval_s=None)
     rounds, request = rounds_and_request()
     for r in rounds:
         observer.on_round(r)
@@ -153,9 +147,55 @@ def test_observer_batches_to_in_process_hub():
     observer.close()
 
 
+def test_units_count_their_own_metrics_and_the_hub_renders_them_together():
+    """The same records give the same exposition whether the hub counts them or two units' observers do (each
+    its own rounds), and the hub counts no round of theirs: its work does not grow with the step rate."""
+    counted = TelemetryHub(TelemetrySettings(), arms=["exact", "asd"])
+    reported = TelemetryHub(TelemetrySettings(), arms=["exact", "asd"])
+    observers = {unit: UnitObserver(reported.report, unit, TelemetrySettings(), flush_interval_s=None)
+                 for unit in ("u0", "u1")}
+    for unit, request_id in (("u0", "r1"), ("u1", "r2"), ("u0", "r3")):
+        rounds, request = rounds_and_request(request_id=request_id, unit=unit, other=("x", "exact"))
+        counted.record([*rounds, request])
+        for r in rounds:
+            observers[unit].on_round(r)
+        observers[unit].on_request(request)
+        observers[unit].flush()
+    assert samples(reported.prometheus_text()) == samples(counted.prometheus_text())
+    assert value(samples(reported.prometheus_text()), "vllm:spec_decode_num_drafts_total", arm="asd", unit="u1") == 2
+    assert text_string_to_metric_families(reported.prometheus_text())  # one family per name: parses
+    load = reported.load()
+    assert load["rounds"] == 0 and load["requests"] == 3 and load["snapshots"] == 3
+    assert [r["request_id"] for r in reported.export()["requests"]] == ["r1", "r2", "r3"]
+    for observer in observers.values():
+        observer.close()
+
+
+def test_an_idle_unit_keeps_its_series_and_a_gone_one_expires(monkeypatch):
+    from cluster.observability import observer as observer_module
+    from cluster.observability import telemetry
+
+    hub = TelemetryHub(TelemetrySettings())
+    observer = UnitObserver(hub.report, "u0", TelemetrySettings(), flush_interval_s=None)
+    rounds, request = rounds_and_request()
+    for r in rounds:
+        observer.on_round(r)
+    observer.flush()
+    assert hub.load()["snapshots"] == 1
+    observer.flush()  # nothing new: no report
+    assert hub.load()["batches"] == 1
+    monkeypatch.setattr(observer_module, "KEEPALIVE_S", 0.0)
+    observer.flush()  # the keepalive re-sends the snapshot
+    assert hub.load()["snapshots"] == 2
+    monkeypatch.setattr(telemetry, "UNIT_TTL_S", 0.0)
+    time.sleep(0.01)
+    assert "unit=\"u0\"" not in hub.prometheus_text()
+    observer.close()
+
+
 def test_observer_background_flush():
     hub = TelemetryHub(TelemetrySettings(metrics=False))
-    observer = UnitObserver(hub.record, "u0", TelemetrySettings(), flush_interval_s=0.05)
+    observer = UnitObserver(hub.report, "u0", TelemetrySettings(), flush_interval_s=0.05)
     observer.on_request(rounds_and_request()[1])
     deadline = time.time() + 5
     while not hub.export()["requests"] and time.time() < deadline:
@@ -168,7 +208,7 @@ def traced(settings, request_ids=("r1",)):
     exporter = InMemorySpanExporter()
     provider = make_tracer_provider(settings, span_exporter=exporter)
     hub = TelemetryHub(TelemetrySettings(metrics=False))
-    observer = UnitObserver(hub.record, "u0", settings, tracer_provider=provider, flush_interval_s=None)
+    observer = UnitObserver(hub.report, "u0", settings, tracer_provider=provider, flush_interval_s=None)
     for request_id in request_ids:
         rounds, request = rounds_and_request(request_id=request_id, other=("other", "exact"))
         for r in rounds:
@@ -209,7 +249,7 @@ def test_last_round_reported_after_its_request():
     # The loop reports a request when its last round commits, then that round's RoundRecord.
     exporter = InMemorySpanExporter()
     settings = TelemetrySettings(tracing="on")
-    observer = UnitObserver(TelemetryHub(TelemetrySettings(metrics=False)).record, "u0", settings,
+    observer = UnitObserver(TelemetryHub(TelemetrySettings(metrics=False)).report, "u0", settings,
                             tracer_provider=make_tracer_provider(settings, exporter), flush_interval_s=None)
     (first, last), request = rounds_and_request()
     observer.on_round(first)
@@ -239,7 +279,7 @@ def test_real_loop_records():
     settings = TelemetrySettings(tracing="on")
     exporter = InMemorySpanExporter()
     hub = TelemetryHub(settings, arms=["exact", "asd"])
-    observer = UnitObserver(hub.record, "u0", settings, tracer_provider=make_tracer_provider(settings, exporter),
+    observer = UnitObserver(hub.report, "u0", settings, tracer_provider=make_tracer_provider(settings, exporter),
                             flush_interval_s=None)
     coordinator = Coordinator.local(Engine(model, max_slots=4, max_seq_len=256), NgramDrafter(), PolicyCore(),
                                     unit="u0", observer=observer)
