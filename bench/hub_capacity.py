@@ -42,8 +42,9 @@ def round_record(unit: str, step: int, rows: int) -> RoundRecord:
     """One step of `rows` rows, both arms, γ = 4 and 0..4 drafts kept (the hub's cost grows with the kept)."""
     return RoundRecord(unit=unit, batch_size=rows, started_s=time.time(), draft_s=0.001, score_s=0.012,
                        verify_s=0.001, total_s=0.016, forward_s=0.011,
-                       rows=tuple(RowRecord(f"{unit}-r{i}", ARMS[i % 2], 4, (step + i) % 5, int(i % 2 and step % 3 == 0),
-                                            0.5 if i % 2 else 0.0) for i in range(rows)))
+                       rows=tuple(RowRecord(f"{unit}-r{i}", ARMS[i % 2], 4, (step + i) % 5,
+                                            int(i % 2 and step % 3 == 0), 0.5 if i % 2 else 0.0)
+                                  for i in range(rows)))
 
 
 def request_record(unit: str, n: int) -> RequestRecord:
@@ -76,8 +77,9 @@ class TimedSender:
 
 
 def unit_costs(rows: int, rounds: int = 200) -> tuple[float, float, list]:
-    """What one unit spends on its own metrics: µs to count a `rows`-row round (requests included at their
-    rate; counted a flush's worth at a time, as the observer does), ms per snapshot, and the snapshot after `rounds` rounds (the representative one the units send)."""
+    """What one unit spends on its own metrics: µs to count a `rows`-row round (requests included at their rate;
+    counted a flush's worth at a time, as the observer does), ms per snapshot, and the snapshot after `rounds`
+    rounds (the representative one the units send)."""
     recorder = MetricsRecorder(TelemetrySettings())
     per_step = rows * TOKENS_PER_ROUND / REQUEST_TOKENS
     records, finished = [], 0.0

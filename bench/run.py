@@ -50,7 +50,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--port", type=int, default=8765, help="HTTP port of the benchmark app (127.0.0.1)")
     parser.add_argument("--quality-suite", default=None, help="override: the quality section's eval suite")
     parser.add_argument("--quality-problems", type=int, default=None, help="override: its first N problems")
-    parser.add_argument("--section", choices=("all", "reliability", "vllm", "policy", "hub", "breakdown", "features"),
+    parser.add_argument("--section", choices=("all", "reliability", "vllm", "policy", "hub", "ramp", "breakdown", "features"),
                         default="all",
                         help="reliability: fuzzing, faults under load, long-prefill stall (bench.reliability); "
                         "breakdown: one request's time per hop on both engines at 1, 8 and 32 streams "
@@ -58,6 +58,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "engines, speculative and target-only, at 1 and 8 streams (bench.features); "
                         "policy: the policy actor's capacity with 1 to 256 simulated units (bench.policy_capacity); "
                         "hub: the telemetry hub's, the same way (bench.hub_capacity); "
+                        "ramp: autoscaling under a traffic ramp of 1 to 16 streams and back, on both engines "
+                        "(bench.ramp); "
                         "vllm: specserve (both engines) vs vLLM's own server (bench.vllm_peer; "
                         "CONFIG defaults to configs/local-vllm.yaml)")
     return parser
@@ -326,6 +328,10 @@ def run_command(args: argparse.Namespace) -> int:
         return main_section(args, command_line(args))
     if args.section == "hub":
         from bench.hub_capacity import main_section
+
+        return main_section(args, command_line(args))
+    if args.section == "ramp":
+        from bench.ramp import main_section
 
         return main_section(args, command_line(args))
     try:

@@ -64,13 +64,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.serving.app import build_app
     from cluster.config import dump_config, load_config
+    from cluster.serving.app import build_app
 
     config = load_config(args.config)
     host = args.host or config.serving.host
     port = args.port or config.serving.port
     started_ray = _start_ray(args.address)
+    if started_ray:
+        from cluster.serving.app import fit_units_to_host
+
+        config, note = fit_units_to_host(config, os.cpu_count() or 1)
+        if note:
+            print(f"specserve: {note}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -89,3 +89,11 @@ def check_arms_on_engine(target_engine: str, arms) -> None:
         if target_engine == "vllm" and arm.asd is not None and arm.asd.sampled == "relaxed":
             raise ValueError(f"arms[{i}].asd.sampled: 'relaxed' is not available on engine 'vllm' (its sampled "
                              "requests are verified by vLLM's exact rejection sampler); use 'exact' or engine 'native'")
+
+
+def cpu_threads_per_unit(engine: str, torch_threads: int | None, tensor_parallel_size: int) -> int | None:
+    """The cores a CPU unit computes with: None for all of them (vLLM binds its worker to every core but one; a
+    native unit without `unit.torch_threads` takes torch's default), else `torch_threads` per target shard."""
+    if engine == "vllm" or torch_threads is None:
+        return None
+    return torch_threads * tensor_parallel_size

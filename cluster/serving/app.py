@@ -24,6 +24,7 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.config import SpecServeConfig, dump_config, load_config, parse_config, validate_models
+from cluster.config.engines import cpu_threads_per_unit
 from cluster.serving.decoder import DecoderUnit
 from cluster.serving.ingress import OpenAIIngress
 
@@ -36,6 +37,30 @@ def serve_at_normal_priority() -> None:
     """Call before starting a local Ray cluster: its workers (the server's replicas and engines) run at niceness
     0, not Ray's 15, unless `RAY_worker_niceness` is set (docs/architecture.md, "Process priority")."""
     os.environ.setdefault("RAY_worker_niceness", "0")
+
+
+def fit_units_to_host(config: SpecServeConfig, cores: int) -> tuple[SpecServeConfig, str | None]:
+    """For a cluster on one host (`specserve serve` without a cluster to join): CPU units share its `cores`, so at
+    most max(1, cores // threads a unit computes with) of them run (a vLLM CPU unit takes every core but one, a
+    native one `unit.torch_threads` per target shard, all cores when unset): units that share cores spin-wait on
+    each other's threads and run far slower than one (docs/reliability.md, "Autoscaling under a traffic ramp").
+    Returns the config with the replica counts capped, and a line saying so (None when nothing changed)."""
+    if config.target.device != "cpu":
+        return config, None
+    threads = cpu_threads_per_unit(config.target.engine, config.unit.torch_threads,
+                                   config.target.tensor_parallel_size)
+    fit = 1 if threads is None else max(1, cores // threads)
+    scaling = config.autoscaling
+    most = scaling.max_replicas if scaling.enabled else scaling.fixed_replicas
+    if most <= fit:
+        return config, None
+    capped = scaling.model_copy(update={
+        "max_replicas": min(scaling.max_replicas, fit), "min_replicas": min(scaling.min_replicas, fit),
+        "initial_replicas": None if scaling.initial_replicas is None else min(scaling.initial_replicas, fit)})
+    note = (f"at most {fit} unit(s) on this host: it has {cores} cores and a CPU unit computes with "
+            f"{threads or 'all'} of them; units that share cores run slower than one (docs/reliability.md), so "
+            "join a cluster with more nodes to scale out")
+    return config.model_copy(update={"autoscaling": capped}), note
 
 
 def resolve_config(value: Any) -> SpecServeConfig:

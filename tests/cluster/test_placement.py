@@ -80,3 +80,22 @@ def test_gpu_manifests_keep_units_and_drafters_apart():
 
 def test_ray_start_resources_is_kuberay_s_quoted_json():
     assert ray_start_resources({"b": 0.5, "a": 2.0}) == '"{\\"a\\": 2, \\"b\\": 0.5}"'
+
+
+def test_units_on_one_host_are_capped_by_its_cores():
+    """`specserve serve` on one host runs at most cores // (threads per unit) CPU units: more would share cores."""
+    from cluster.serving.app import fit_units_to_host
+
+    local = load_config(REPO_ROOT / "configs/local.yaml")  # 2 threads a unit, up to 2 units
+    capped, note = fit_units_to_host(local, cores=2)
+    assert capped.autoscaling.max_replicas == 1 and capped.autoscaling.min_replicas == 1
+    assert "2 cores" in note and "at most 1 unit" in note
+    assert fit_units_to_host(local, cores=4) == (local, None)  # room for both
+    vllm = load_config(REPO_ROOT / "configs/local-vllm.yaml")
+    assert fit_units_to_host(vllm, cores=64)[1] is None  # one unit already
+    two = vllm.model_copy(update={"autoscaling": vllm.autoscaling.model_copy(update={"enabled": True,
+                                                                                      "max_replicas": 3})})
+    assert fit_units_to_host(two, cores=64)[0].autoscaling.max_replicas == 1  # a vLLM CPU unit takes the cores
+    gpu = parse_config({**_config(num_gpus=1), "target": {**_config(num_gpus=1)["target"], "device": "cuda"},
+                        "autoscaling": {"max_replicas": 4}})
+    assert fit_units_to_host(gpu, cores=2) == (gpu, None)  # GPU units bring their own device

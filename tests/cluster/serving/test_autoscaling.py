@@ -92,3 +92,36 @@ def test_units_scale_up_under_a_burst_and_down_without_losing_requests(server):
     # Every request, including those in flight while a unit was drained, finished whole.
     assert len(results) > 6 and all(code == 200 for code, _, _ in results), results
     assert all(reason == "stop" or tokens == TOKENS for _, tokens, reason in results), results
+
+
+def test_the_ramp_bench_sees_units_follow_the_load_up_and_down(server, tmp_path):
+    """`bench.ramp`'s clients, sampler and figures on the served app: a ramp from 1 to 6 streams and back, with
+    this module's short autoscaling delays; every request completes, a second unit comes and goes, and the plot
+    is drawn."""
+    import asyncio
+
+    from bench import ramp
+
+    preset = {"stages": ((1, 1, 1), (3, 1, 6), (12, 6, 6), (1, 6, 1)), "tail_s": 12.0, "max_tokens": 24}
+    profile = ramp.stages(preset, downscale_delay_s=3)
+    load = {"wanted": 0, "in_flight": 0}
+    t0 = time.monotonic()
+    sampler = ramp.Sampler(APP, t0, load)
+    sampler.start()
+    try:
+        rows = asyncio.run(ramp.drive(server, MODEL, ["one two three", "four five six"], profile,
+                                      preset["max_tokens"], t0, load))
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    summary = ramp.summarize(rows, sampler.samples, target_ongoing=1)
+    assert summary["ends"] == {"completed": len(rows)} and len(rows) > 10, summary["ends"]
+    assert summary["units_peak"] == 2 and summary["units_at_end"] == 1, sampler.samples
+    assert summary["ttft_p95_rise_s"] > 0 and summary["ttft_p95_steady_s"] > 0
+    assert summary["second_unit_after_s"] is not None
+    engine = {"engine": "native", "config": "tiny", "profile": profile, "samples": sampler.samples,
+              "requests": rows, "summary": summary, "autoscaling": config("")["autoscaling"]}
+    results = {"meta": {"command": "test", "started": "now", "elapsed_s": 1.0}, "engines": [engine]}
+    plot = ramp.plot_ramp(results, tmp_path)
+    assert plot == "ramp.png" and (tmp_path / plot).stat().st_size > 0
+    assert "| requests |" in ramp.report_markdown(results, plot)
