@@ -20,6 +20,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,8 @@ def build_report(export: dict, reference: str | None = None, resamples: int = DE
 
     {"schema": "specserve.report/v1", "service", "reference", "resamples", "seed",
      "dropped": export's dropped counts,
+     "changes": [{"at_s", "arms_before", "arms_after", "requests_before", "requests_after"}] (each upgrade that
+                changed the arms; requests counted by when they finished),
      "warnings": [verification_share.warnings(...) entries: {"arm", "message", "share", ...}],
      "arms": {name: arm_figures(...)}  (config order),
      "differences": {name: {statistic: {"reference", "arm", "diff", "ci95": [lo, hi] | None, "relative"}}}}
@@ -196,12 +199,25 @@ def build_report(export: dict, reference: str | None = None, resamples: int = DE
         "resamples": resamples,
         "seed": seed,
         "dropped": export.get("dropped", {}),
+        "changes": changes(export.get("deployments", []), requests),
         "warnings": warnings(by_arm, reference),
         "arms": {n: arm_figures(by_arm[n], [a for a in audits if a.arm == n]) for n in names},
         "differences": {
             n: compare_arms(by_arm[reference], by_arm[n], resamples, rng) for n in names if n != reference
         },
     }
+
+
+def changes(deployments: Sequence[dict], requests: Sequence[dict]) -> list[dict[str, Any]]:
+    """Each change of the configured arms after the first deployment, with the requests that finished before and
+    after it (a row's arm is the one it ran with, whichever version assigned it)."""
+    out = []
+    for before, after in zip(deployments, deployments[1:]):
+        at = after["at_s"]
+        out.append({"at_s": at, "arms_before": before["arms"], "arms_after": after["arms"],
+                    "requests_before": sum(1 for r in requests if r["finished_s"] < at),
+                    "requests_after": sum(1 for r in requests if r["finished_s"] >= at)})
+    return out
 
 
 # ------------------------------------------------------------------------------------------ rendering
@@ -269,6 +285,11 @@ def render_text(report: dict) -> str:
                 f"  regret {_fmt(b['regret_lo'])}..{_fmt(b['regret_hi'])}: n={b['n']}, "
                 f"exact {_fmt(b['exact_match_rate'], 100, 1)}%, prefix {_fmt(b['mean_prefix_agreement'], 100, 1)}%"
             )
+    for change in report.get("changes", []):
+        when = datetime.fromtimestamp(change["at_s"], timezone.utc).isoformat(timespec="seconds")
+        lines += ["", f"arms changed at {when}: {', '.join(change['arms_before'])} -> "
+                      f"{', '.join(change['arms_after'])} ({change['requests_before']} requests finished before, "
+                      f"{change['requests_after']} after)"]
     dropped = report.get("dropped") or {}
     if any(dropped.values()):
         lines += ["", f"note: the export's ring buffers dropped {dropped} older rows"]

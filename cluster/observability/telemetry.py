@@ -90,6 +90,7 @@ class TelemetryHub:
         self._audits: deque[dict] = deque(maxlen=max_rows)
         self._seen = {"requests": 0, "audits": 0}
         self._load = {"batches": 0, "rounds": 0, "requests": 0, "audits": 0, "snapshots": 0, "busy_s": 0.0}
+        self._deployments: list[dict[str, Any]] = []  # each change of the configured arms, with its time
         self._units: dict[str, tuple[float, list]] = {}  # unit -> (monotonic time of its report, its snapshot)
         self._metrics = MetricsRecorder(self.settings) if self.settings.metrics or self.settings.otlp_endpoint else None
 
@@ -147,6 +148,14 @@ class TelemetryHub:
         self._load["batches"] += 1
         self._load["busy_s"] += time.perf_counter() - start
 
+    def set_arms(self, arms: Sequence[str]) -> None:
+        """The configured arms of a deployed version, in config order (each ingress replica calls it as it starts):
+        the export lists them first, then any other arm its rows name, and notes when they changed."""
+        with self._lock:
+            self._arms = list(dict.fromkeys([*arms, *self._arms]))
+            if not self._deployments or self._deployments[-1]["arms"] != list(arms):
+                self._deployments.append({"arms": list(arms), "at_s": time.time()})
+
     def _note_arm(self, arm: str) -> None:
         if arm not in self._arms:
             self._arms.append(arm)
@@ -176,7 +185,8 @@ class TelemetryHub:
         {"schema": "specserve.export/v1", "service": str, "generated_s": float (time.time()),
          "arms": [arm names, config order first],
          "requests": [request_row(...), ...] (newest MAX_ROWS), "audits": [AuditRecord.to_dict(), ...],
-         "dropped": {"requests": int, "audits": int}  (rows that fell out of the ring buffers)}
+         "dropped": {"requests": int, "audits": int}  (rows that fell out of the ring buffers),
+         "deployments": [{"arms": [names], "at_s": float (time.time())}, ...]  (each change of the arms, in order)}
         """
         with self._lock:
             return {
@@ -190,6 +200,7 @@ class TelemetryHub:
                     "requests": self._seen["requests"] - len(self._requests),
                     "audits": self._seen["audits"] - len(self._audits),
                 },
+                "deployments": [dict(d) for d in self._deployments],
             }
 
     def shutdown(self) -> None:

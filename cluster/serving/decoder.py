@@ -237,7 +237,7 @@ class DecoderUnit:
         context = serve.get_replica_context()
         self.app_name = context.app_name
         self.unit = f"{context.deployment}-{context.replica_id.unique_id}"
-        hub = get_or_create_hub(self.app_name, self.config.telemetry, [arm.name for arm in self.config.arms])
+        hub = get_or_create_hub(self.app_name, self.config.telemetry)  # the ingress tells it the arms
         self.observer = UnitObserver(remote_sender(hub), self.unit, self.config.telemetry)
         self.coordinator = config_unit(self.config, self.unit, self.observer, app_name=self.app_name)
         self.tokenizer = load_tokenizer(self.config.target.source)

@@ -114,6 +114,7 @@ class OpenAIIngress:
             self.config.audit.reference_arm, self._send_audit, max_pending=self.config.audit.max_pending
         )
         self._hub = None
+        self.hub().set_arms.remote([a.name for a in self.config.arms])  # this version's arms, in config order
         self.created = int(time.time())
         serving = self.config.serving
         self.timeout_s = deadline_s(serving.request_timeout_s)

@@ -90,8 +90,8 @@ def test_json_output_shape(export, tmp_path, capsys):
     path.write_text(json.dumps(export))
     assert main(["--file", str(path), "--json", "--seed", "7", "--resamples", "200"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"schema", "service", "reference", "resamples", "seed", "dropped", "warnings", "arms",
-                           "differences"}
+    assert set(report) == {"schema", "service", "reference", "resamples", "seed", "dropped", "changes", "warnings",
+                           "arms", "differences"}
     assert report["warnings"] == []  # the asd arm ran ASD on all its requests
     assert report["seed"] == 7 and report["resamples"] == 200
     arm = report["arms"]["asd"]
@@ -158,3 +158,24 @@ def test_fetches_export_over_http(export, capsys):
         assert json.loads(capsys.readouterr().out)["arms"]["asd"]["requests"] == 200
     finally:
         server.shutdown()
+
+
+def test_the_report_shows_when_the_arms_changed():
+    """An upgrade that changes the arms is in the export (`deployments`) and the report: its time, the arms before
+    and after, and the requests that finished on each side of it."""
+    hub = TelemetryHub(TelemetrySettings(metrics=False))
+    hub.set_arms(["exact", "asd"])
+    hub.set_arms(["exact", "asd"])  # another ingress replica of the same version: no change
+    first = RequestRecord("a", "exact", "u0", 10, 8, 4, 8, 6, (2,), 1.0, 1.1, 2.0, "stop")
+    hub.record([first])
+    hub.set_arms(["exact", "asd", "asd-wide"])
+    later = RequestRecord("b", "asd-wide", "u0", 10, 8, 4, 8, 6, (2,), 9e9, 9e9, 9e9 + 1, "stop",
+                          verification="asd", regret_spent=0.0, regret_budget=8.0, relaxed_tokens=0)
+    hub.record([later])
+    export = hub.export()
+    assert [d["arms"] for d in export["deployments"]] == [["exact", "asd"], ["exact", "asd", "asd-wide"]]
+    report = build_report(export, resamples=10)
+    (change,) = report["changes"]
+    assert change["arms_after"] == ["exact", "asd", "asd-wide"]
+    assert (change["requests_before"], change["requests_after"]) == (1, 1)
+    assert "arms changed at " in render_text(report) and "exact, asd -> exact, asd, asd-wide" in render_text(report)
