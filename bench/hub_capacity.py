@@ -20,8 +20,6 @@ import json
 import time
 from pathlib import Path
 
-import ray
-
 from prometheus_client.metrics_core import Metric
 
 from actors.stats import RequestRecord, RoundRecord, RowRecord

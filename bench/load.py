@@ -21,10 +21,10 @@ HANG_SLACK_S = 15.0
 @dataclass(frozen=True)
 class LoadRequest:
     index: int
-    prompt: tuple[int, ...]
+    prompt: tuple[int, ...] | str
     max_tokens: int
     stream: bool
-    arm: str
+    arm: str | None  # None: the app's weights choose
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Outcome:
     degraded: bool = False
     regret_spent: float | None = None
     regret_budget: float | None = None
+    ttft_s: float | None = None  # streamed: seconds to the first chunk with text
 
 
 def plan_load(prompts: list[tuple[int, ...]], n: int, lengths: tuple[int, ...], arms: tuple[str, ...],
@@ -53,15 +54,16 @@ def plan_load(prompts: list[tuple[int, ...]], n: int, lengths: tuple[int, ...], 
 async def send(client, url: str, model: str, req: LoadRequest, *, timeout_s: float,
                headers: dict[str, str] | None = None, speculate: bool = True) -> Outcome:
     """One request, classified; never raises."""
-    body = {"model": model, "prompt": list(req.prompt), "max_tokens": req.max_tokens, "temperature": 0,
+    prompt = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
+    body = {"model": model, "prompt": prompt, "max_tokens": req.max_tokens, "temperature": 0,
             "stream": req.stream, "speculate": speculate}
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     out = Outcome(req.index, req.arm, req.stream, "lost")
     start = time.monotonic()
     try:
-        await asyncio.wait_for(_exchange(client, url, body, {**(headers or {}), ARM_HEADER: req.arm}, out),
-                               timeout_s + HANG_SLACK_S)
+        arm = {} if req.arm is None else {ARM_HEADER: req.arm}
+        await asyncio.wait_for(_exchange(client, url, body, {**(headers or {}), **arm}, out), timeout_s + HANG_SLACK_S)
     except asyncio.TimeoutError:
         out.end = "hung"
     except Exception as err:  # connection dropped, unreadable answer
@@ -71,6 +73,7 @@ async def send(client, url: str, model: str, req: LoadRequest, *, timeout_s: flo
 
 
 async def _exchange(client, url: str, body: dict, headers: dict, out: Outcome) -> None:
+    start = time.monotonic()
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=None) as r:
         out.status = r.status_code
         if r.status_code != 200 or not body["stream"]:
@@ -95,6 +98,8 @@ async def _exchange(client, url: str, body: dict, headers: dict, out: Outcome) -
                 error = chunk["error"]["code"]
                 continue
             for choice in chunk["choices"]:
+                if out.ttft_s is None and choice["text"]:
+                    out.ttft_s = time.monotonic() - start
                 text.append(choice["text"])
                 finished = finished or choice["finish_reason"] is not None
             _usage(out, chunk.get("usage"))

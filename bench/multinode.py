@@ -210,7 +210,6 @@ def node_fault(config: dict, port: int, load) -> dict:
             serve.shutdown()
 
 
-
 SIM_RESOURCE = "specserve-sim"  # the worker node that simulated units run on (the capacity sections)
 
 

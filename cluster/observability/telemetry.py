@@ -18,7 +18,7 @@ from typing import Any
 
 from actors.stats import RequestRecord, RoundRecord
 from cluster.config import TelemetrySettings
-from cluster.observability.metrics import MetricsRecorder, latencies, merged_text
+from cluster.observability.metrics import latencies, merged_text, metrics_recorder
 from cluster.records import AuditRecord
 
 logger = logging.getLogger(__name__)
@@ -88,11 +88,10 @@ class TelemetryHub:
         self._arms: list[str] = list(dict.fromkeys(arms))
         self._requests: deque[dict] = deque(maxlen=max_rows)
         self._audits: deque[dict] = deque(maxlen=max_rows)
-        self._seen = {"requests": 0, "audits": 0}
         self._load = {"batches": 0, "rounds": 0, "requests": 0, "audits": 0, "snapshots": 0, "busy_s": 0.0}
         self._deployments: list[dict[str, Any]] = []  # each change of the configured arms, with its time
         self._units: dict[str, tuple[float, list]] = {}  # unit -> (monotonic time of its report, its snapshot)
-        self._metrics = MetricsRecorder(self.settings) if self.settings.metrics or self.settings.otlp_endpoint else None
+        self._metrics = metrics_recorder(self.settings)
 
     # ------------------------------------------------------------------ intake
 
@@ -137,11 +136,9 @@ class TelemetryHub:
         self._note_arm(item.arm)
         if isinstance(item, RequestRecord):
             self._requests.append(request_row(item))
-            self._seen["requests"] += 1
             self._load["requests"] += 1
         else:
             self._audits.append(item.to_dict())
-            self._seen["audits"] += 1
             self._load["audits"] += 1
 
     def _took(self, start: float) -> None:
@@ -197,8 +194,8 @@ class TelemetryHub:
                 "requests": list(self._requests),
                 "audits": list(self._audits),
                 "dropped": {
-                    "requests": self._seen["requests"] - len(self._requests),
-                    "audits": self._seen["audits"] - len(self._audits),
+                    "requests": self._load["requests"] - len(self._requests),
+                    "audits": self._load["audits"] - len(self._audits),
                 },
                 "deployments": [dict(d) for d in self._deployments],
             }

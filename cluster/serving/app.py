@@ -40,11 +40,10 @@ def serve_at_normal_priority() -> None:
 
 
 def fit_units_to_host(config: SpecServeConfig, cores: int) -> tuple[SpecServeConfig, str | None]:
-    """For a cluster on one host (`specserve serve` without a cluster to join): CPU units share its `cores`, so at
-    most max(1, cores // threads a unit computes with) of them run (a vLLM CPU unit takes every core but one, a
-    native one `unit.torch_threads` per target shard, all cores when unset): units that share cores spin-wait on
-    each other's threads and run far slower than one (docs/reliability.md, "Autoscaling under a traffic ramp").
-    Returns the config with the replica counts capped, and a line saying so (None when nothing changed)."""
+    """For a cluster on one host (`specserve serve` without a cluster to join): at most max(1, cores // the threads
+    a CPU unit computes with, `cpu_threads_per_unit`) units, so that none shares cores (why: docs/reliability.md,
+    "Autoscaling under a traffic ramp"). Returns the config with its replica counts capped, and a line saying so
+    (None when nothing changed); GPU configs are returned as they are."""
     if config.target.device != "cpu":
         return config, None
     threads = cpu_threads_per_unit(config.target.engine, config.unit.torch_threads,
