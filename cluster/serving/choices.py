@@ -16,7 +16,7 @@ from actors.timing import add, hops
 from cluster.serving.bodies import TokenText, chat_logprobs, completion_logprobs, merge_speculative, usage_body
 from cluster.serving.decoder import DecodeJob, Finished, TextDelta
 from cluster.serving.errors import APIError
-from cluster.serving.protocol import INT64_MAX, INT64_MIN
+from cluster.serving.protocol import INT64_MIN
 
 UNIT_FIELDS = {"structured": "response_format"}  # a unit's name of a field (`SamplingParams`) -> the request's
 
