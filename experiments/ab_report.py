@@ -174,8 +174,9 @@ def build_report(export: dict, reference: str | None = None, resamples: int = DE
 
     {"schema": "specserve.report/v1", "service", "reference", "resamples", "seed",
      "dropped": export's dropped counts,
-     "changes": [{"at_s", "arms_before", "arms_after", "requests_before", "requests_after"}] (each upgrade that
-                changed the arms; requests counted by when they finished),
+     "changes": [{"at_s", "arms_before", "arms_after", "weights_before", "weights_after", "requests_before",
+                  "requests_after"}] (each upgrade that changed the arms or their weights; requests counted by when
+                they finished; weights None where the export does not have them),
      "warnings": [verification_share.warnings(...) entries: {"arm", "message", "share", ...}],
      "arms": {name: arm_figures(...)}  (config order),
      "differences": {name: {statistic: {"reference", "arm", "diff", "ci95": [lo, hi] | None, "relative"}}}}
@@ -209,12 +210,13 @@ def build_report(export: dict, reference: str | None = None, resamples: int = DE
 
 
 def changes(deployments: Sequence[dict], requests: Sequence[dict]) -> list[dict[str, Any]]:
-    """Each change of the configured arms after the first deployment, with the requests that finished before and
-    after it (a row's arm is the one it ran with, whichever version assigned it)."""
+    """Each change of the configured arms or their weights after the first deployment, with the requests that
+    finished before and after it (a row's arm is the one it ran with, whichever version assigned it)."""
     out = []
     for before, after in zip(deployments, deployments[1:]):
         at = after["at_s"]
         out.append({"at_s": at, "arms_before": before["arms"], "arms_after": after["arms"],
+                    "weights_before": before.get("weights"), "weights_after": after.get("weights"),
                     "requests_before": sum(1 for r in requests if r["finished_s"] < at),
                     "requests_after": sum(1 for r in requests if r["finished_s"] >= at)})
     return out
@@ -231,6 +233,12 @@ def _fmt(value: float | None, scale: float = 1.0, digits: int = 2, sign: bool = 
 
 def _triple(summary: dict, scale: float = 1.0, digits: int = 1) -> str:
     return "/".join(_fmt(summary[k], scale, digits) for k in ("mean", "p50", "p95"))
+
+
+def _arms_text(change: dict, side: str) -> str:
+    """'exact, asd' or, with weights, 'exact ×1, asd ×3'."""
+    weights = change.get(f"weights_{side}") or {}
+    return ", ".join(f"{name} ×{weights[name]:g}" if name in weights else name for name in change[f"arms_{side}"])
 
 
 def render_text(report: dict) -> str:
@@ -287,9 +295,8 @@ def render_text(report: dict) -> str:
             )
     for change in report.get("changes", []):
         when = datetime.fromtimestamp(change["at_s"], timezone.utc).isoformat(timespec="seconds")
-        lines += ["", f"arms changed at {when}: {', '.join(change['arms_before'])} -> "
-                      f"{', '.join(change['arms_after'])} ({change['requests_before']} requests finished before, "
-                      f"{change['requests_after']} after)"]
+        lines += ["", f"arms changed at {when}: {_arms_text(change, 'before')} -> {_arms_text(change, 'after')} "
+                      f"({change['requests_before']} requests finished before, {change['requests_after']} after)"]
     dropped = report.get("dropped") or {}
     if any(dropped.values()):
         lines += ["", f"note: the export's ring buffers dropped {dropped} older rows"]

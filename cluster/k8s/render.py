@@ -1,11 +1,11 @@
 """KubeRay RayService manifests rendered from a specserve config.
 
 `render_rayservice(cfg, ...)` turns a `SpecServeConfig` into a RayService (ray.io/v1) whose `serveConfigV2`
-deploys `cluster.serving.app:build_app` with the whole config inline, so k8s/ can never drift from configs/: a
-head pod with no GPUs, one worker group per kind of pod a unit needs, replicas spanning the Serve autoscaling
-range plus a surge pod, and the API keys' Secret mounted on every pod (keys written in the config itself are
-refused). What a manifest holds and why: docs/kubernetes.md. `cluster.k8s.crd` validates the result against
-KubeRay's CRD; `cluster.k8s.monitoring` renders the PodMonitor.
+deploys `cluster.serving.app:build_app` with the config inline (its arms and audit as the ingress's
+`user_config`), so k8s/ can never drift from configs/: a head pod with no GPUs, one worker group per kind of pod a
+unit needs, replicas spanning the Serve autoscaling range plus a surge pod, and the API keys' Secret mounted on
+every pod (keys written in the config itself are refused). What a manifest holds and why: docs/kubernetes.md.
+`cluster.k8s.crd` validates the result against KubeRay's CRD; `cluster.k8s.monitoring` renders the PodMonitor.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from cluster.config import SpecServeConfig, dump_config, load_config
+from cluster.config import SpecServeConfig, dump_config, load_config, parse_config
+from cluster.serving.ab import INGRESS_SETTINGS, ingress_user_config, with_ingress_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY_VERSION = "2.60.0"
@@ -95,8 +96,14 @@ def render_rayservice(cfg: SpecServeConfig, config_path_in_image: str | None, im
 
 
 def serve_config(cfg: SpecServeConfig) -> dict[str, Any]:
-    """The Serve config (serveConfigV2): one application built from the config, which travels inline."""
+    """The Serve config (serveConfigV2): one application built from the config, which travels inline, except
+    the arms and the audit: those are the ingress deployment's `user_config`, so that changing them updates the
+    running ingress in place and restarts no unit (the application's arguments, which version every
+    deployment, stay the same)."""
     inline = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"host": "0.0.0.0"})})
+    args = {key: value for key, value in dump_config(inline).items() if key not in INGRESS_SETTINGS}
+    deployments = [{"name": name, "max_surge_percent": MAX_SURGE_PERCENT} for name in SERVE_DEPLOYMENTS]
+    deployments[SERVE_DEPLOYMENTS.index("OpenAIIngress")]["user_config"] = ingress_user_config(cfg)
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "0.0.0.0", "port": cfg.serving.port,
@@ -106,13 +113,17 @@ def serve_config(cfg: SpecServeConfig) -> dict[str, Any]:
                 "name": cfg.name,
                 "import_path": APP_IMPORT_PATH,
                 "route_prefix": "/",
-                "args": {"config": dump_config(inline)},
-                "deployments": [
-                    {"name": name, "max_surge_percent": MAX_SURGE_PERCENT} for name in SERVE_DEPLOYMENTS
-                ],
+                "args": {"config": args},
+                "deployments": deployments,
             }
         ],
     }
+
+
+def app_config(app: dict[str, Any]) -> SpecServeConfig:
+    """The whole config an application of `serve_config` runs: its arguments with the ingress's user_config."""
+    ingress = next(d for d in app["deployments"] if d["name"] == "OpenAIIngress")
+    return with_ingress_settings(parse_config(app["args"]["config"]), ingress.get("user_config", {}))
 
 
 def render_manifest(cfg: SpecServeConfig, config_path_in_image: str | None, image: str) -> str:

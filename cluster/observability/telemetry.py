@@ -145,13 +145,16 @@ class TelemetryHub:
         self._load["batches"] += 1
         self._load["busy_s"] += time.perf_counter() - start
 
-    def set_arms(self, arms: Sequence[str]) -> None:
-        """The configured arms of a deployed version, in config order (each ingress replica calls it as it starts):
-        the export lists them first, then any other arm its rows name, and notes when they changed."""
+    def set_arms(self, arms: Sequence[str], weights: Sequence[float] | None = None) -> None:
+        """The configured arms of a deployed version, in config order, with their weights (each ingress replica
+        calls it as it starts and on each in-place update): the export lists them first, then any other arm its
+        rows name, and notes when they or their weights changed."""
+        entry = {"arms": list(arms), "weights": None if weights is None else dict(zip(arms, map(float, weights)))}
         with self._lock:
             self._arms = list(dict.fromkeys([*arms, *self._arms]))
-            if not self._deployments or self._deployments[-1]["arms"] != list(arms):
-                self._deployments.append({"arms": list(arms), "at_s": time.time()})
+            last = self._deployments[-1] if self._deployments else None
+            if last is None or (last["arms"], last["weights"]) != (entry["arms"], entry["weights"]):
+                self._deployments.append({**entry, "at_s": time.time()})
 
     def _note_arm(self, arm: str) -> None:
         if arm not in self._arms:
@@ -183,7 +186,8 @@ class TelemetryHub:
          "arms": [arm names, config order first],
          "requests": [request_row(...), ...] (newest MAX_ROWS), "audits": [AuditRecord.to_dict(), ...],
          "dropped": {"requests": int, "audits": int}  (rows that fell out of the ring buffers),
-         "deployments": [{"arms": [names], "at_s": float (time.time())}, ...]  (each change of the arms, in order)}
+         "deployments": [{"arms": [names], "weights": {name: weight} | None, "at_s": float (time.time())}, ...]
+                        (each change of the arms or their weights, in order)}
         """
         with self._lock:
             return {

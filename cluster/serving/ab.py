@@ -8,6 +8,10 @@
 3. **random** by weight otherwise.
 Both 2 and 3 map a uniform u in [0, 1) onto the cumulative normalised weights: an arm with weight w gets a share
 w / Σw. The ingress echoes the chosen arm in `ARM_RESPONSE_HEADER` and in `usage.speculative.arm`.
+
+The arms and the audit are the ingress deployment's Serve `user_config` (`ingress_user_config`), so a change of
+them alone reaches the running ingress replicas (`with_ingress_settings`) without restarting a unit
+(docs/reliability.md, "Upgrades under load").
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import hashlib
 import random
 from collections.abc import Sequence
 from itertools import accumulate
+from typing import Any
 
-from cluster.config import ArmConfig
+from cluster.config import ArmConfig, SpecServeConfig, dump_config, parse_config
 
 ARM_HEADER = "x-specserve-arm"  # request header forcing an arm
 ARM_RESPONSE_HEADER = "x-specserve-arm"  # response header naming the arm that served the request
 DEFAULT_SALT = "specserve"
+INGRESS_SETTINGS = ("arms", "audit")  # the config's parts that the ingress's user_config carries
 
 
 class UnknownArmError(ValueError):
@@ -89,3 +95,21 @@ class ArmRouter:
         """The arm whose cumulative-weight interval holds u in [0, 1)."""
         index = bisect.bisect_right(self._cumulative, u)
         return self.arms[min(index, len(self.arms) - 1)]  # min() guards float rounding of the last edge
+
+
+def ingress_user_config(config: SpecServeConfig) -> dict[str, Any]:
+    """The ingress deployment's Serve `user_config`: the config's arms and audit settings, as JSON."""
+    data = dump_config(config)
+    return {key: data[key] for key in INGRESS_SETTINGS}
+
+
+def with_ingress_settings(config: SpecServeConfig, user_config: Any) -> SpecServeConfig:
+    """`config` with the arms and audit of a `user_config` (either may be left out), validated as a whole
+    config; a ValueError naming the field (`user_config: arms[1].weight ...`) otherwise."""
+    if not isinstance(user_config, dict):
+        raise ValueError(f"user_config: expected a mapping with {list(INGRESS_SETTINGS)}, "
+                         f"got {type(user_config).__name__}")
+    unknown = sorted(set(user_config) - set(INGRESS_SETTINGS))
+    if unknown:
+        raise ValueError(f"user_config: unknown keys {unknown}; the ingress takes {list(INGRESS_SETTINGS)}")
+    return parse_config({**dump_config(config), **user_config}, source="user_config")

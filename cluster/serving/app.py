@@ -116,8 +116,10 @@ def ingress_options(config: SpecServeConfig) -> dict[str, Any]:
     """The ingress only parses, tokenizes and relays: no reserved CPU, and room for every request the units
     can hold or queue, so overload surfaces as the decoder's 503 rather than as a wait at the proxy. It runs on
     the head, beside the proxy (`proxy_location: HeadOnly`), so losing a worker node never takes a stream's
-    relay with it: the stream ends as a clean 503 from its unit instead."""
+    relay with it: the stream ends as a clean 503 from its unit instead. Its `user_config` holds the arms and
+    the audit, which an in-place update changes without restarting a unit."""
     from actors.remote.placement import on_head
+    from cluster.serving.ab import ingress_user_config
 
     capacity = (
         config.serving.max_ongoing_requests + config.serving.max_queued_requests
@@ -126,6 +128,7 @@ def ingress_options(config: SpecServeConfig) -> dict[str, Any]:
         name=INGRESS_DEPLOYMENT,
         max_ongoing_requests=2 * capacity + 16,
         ray_actor_options={"num_cpus": 0, "resources": on_head()},
+        user_config=ingress_user_config(config),
     )
 
 

@@ -10,15 +10,17 @@
   (or an SSE error event and `[DONE]`), never a cut connection, and the unit frees the sequence. The proxy's
   own timeout stays as the backstop; a client cannot lift this one with Serve's `x-request-timeout-seconds`.
 - **Client gone**: `ClosingStreamingResponse` closes its body generator however the response ends, so the
-  generator's cleanup (cancelling the unit's stream: KV and ledger freed) never waits for garbage collection.
+  generator's cleanup (cancelling the unit's stream: KV and ledger freed) never waits for garbage collection;
+  `AfterJSONResponse` runs its follow-up (the quality audit) once the body is sent or the client is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
@@ -88,3 +90,17 @@ class ClosingStreamingResponse(StreamingResponse):
             close = getattr(self.body_iterator, "aclose", None)  # an async generator's; Starlette's own wrappers
             if close is not None:
                 await close()
+
+
+class AfterJSONResponse(JSONResponse):
+    """A `JSONResponse` that calls `after()` once its body is sent, or the sending failed (client gone)."""
+
+    def __init__(self, content: Any, after, **kwargs):
+        super().__init__(content, **kwargs)
+        self.after = after
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.after()

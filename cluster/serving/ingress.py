@@ -8,7 +8,9 @@ Client mistakes get a 4xx with OpenAI's error body, a full queue or a failed uni
 its sequence in the unit. Greedy ASD requests the `AuditSampler` draws are replayed on the exact reference arm in
 the background, submitted once the last byte is sent (or the client is gone). `usage.speculative.timing_s` gets
 the ingress's hops (`actors.timing`): `tokenize`, `ingress_to_unit` and the OpenAI encoding after the unit's final
-message (an earlier chunk's is encoded while the unit works on). Every status: docs/reliability.md; the request path: docs/architecture.md.
+message (an earlier chunk's is encoded while the unit works on). The arms and the audit are the deployment's
+`user_config`: `reconfigure` swaps them in place, restarting no unit. Every status and the upgrades:
+docs/reliability.md; the request path: docs/architecture.md.
 """
 
 
@@ -29,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.requests import SamplingParams
 from cluster.config import parse_config
 from cluster.serving import openapi
-from cluster.serving.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError
+from cluster.serving.ab import ARM_HEADER, ARM_RESPONSE_HEADER, ArmRouter, UnknownArmError, with_ingress_settings
 from cluster.serving.audit import AuditRunner, AuditSampler
 from cluster.serving.bodies import (SSE_DONE, TokenText, choice_body, chunk_body, completion_body, models_body,
                                     sse)
@@ -37,6 +39,7 @@ from cluster.serving.choices import Choice, check_room, choice_seed, merged, ope
 from cluster.serving.decoder import DecodeJob, Finished, TextDelta, UnitStarted, policy_actor_name, policy_kwargs
 from cluster.serving.failures import (
     UNIT_LOST,
+    AfterJSONResponse,
     ClosingStreamingResponse,
     Deadline,
     deadline_s,
@@ -77,51 +80,47 @@ async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResp
     )
 
 
-class AfterJSONResponse(JSONResponse):
-    """A `JSONResponse` that calls `after()` once its body is sent, or the sending failed (client gone)."""
-
-    def __init__(self, content: Any, after, **kwargs):
-        super().__init__(content, **kwargs)
-        self.after = after
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.after()
-
-
 # Everything the ingress class uses is defined above it: serve.ingress captures the class when it decorates it.
 @serve.ingress(app)
 class OpenAIIngress:
     """Serve ingress body (wrapped by `cluster.serving.app.build_app`). `decoder` is the decoder deployment's handle;
-    `config` the dumped `SpecServeConfig`."""
+    `config` the dumped `SpecServeConfig`; the deployment's `user_config` (`cluster.serving.ab.ingress_user_config`)
+    sets the arms and the audit, at start and on every in-place update (`reconfigure`)."""
 
     def __init__(self, decoder, config: dict[str, Any]):
         from actors.sources import context_length, load_tokenizer, model_info
 
-        self.config = parse_config(config)
+        config = parse_config(config)
         self.decoder = decoder.options(stream=True)
         self.app_name = serve.get_replica_context().app_name
-        self.tokenizer = load_tokenizer(self.config.target.source)
-        info = model_info(self.config.target.source)
-        self.max_seq_len = context_length(self.config.target.max_seq_len, info)
+        self.tokenizer = load_tokenizer(config.target.source)
+        info = model_info(config.target.source)
+        self.max_seq_len = context_length(config.target.max_seq_len, info)
         self.vocab_size = info["vocab_size"]
         self.token_text = TokenText(self.tokenizer)
-        self.router = ArmRouter(self.config.arms)
-        self.sampler = AuditSampler(self.config.audit.fraction)
-        self.auditor = AuditRunner(
-            self.config.audit.reference_arm, self._send_audit, max_pending=self.config.audit.max_pending
-        )
         self._hub = None
-        self.hub().set_arms.remote([a.name for a in self.config.arms])  # this version's arms, in config order
         self.created = int(time.time())
-        serving = self.config.serving
-        self.timeout_s = deadline_s(serving.request_timeout_s)
-        app.state.guard = GuardPolicy.from_settings(serving)
+        self.timeout_s = deadline_s(config.serving.request_timeout_s)
+        app.state.guard = GuardPolicy.from_settings(config.serving)
+        self.auditor = AuditRunner(config.audit.reference_arm, self._send_audit, max_pending=config.audit.max_pending)
+        self._apply(config, report=False)  # the arms are reported by `reconfigure`, which Serve calls next
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's in-place update of this deployment's `user_config`: new arms and audit settings for the requests
+        that arrive from now on (those in flight keep their arm). A ValueError names the bad field."""
+        self._apply(with_ingress_settings(self.config, user_config))
+
+    def _apply(self, config, report: bool = True) -> None:
+        self.config = config
+        self.router = ArmRouter(config.arms)
+        self.sampler = AuditSampler(config.audit.fraction)
+        self.auditor.reference_arm, self.auditor.max_pending = config.audit.reference_arm, config.audit.max_pending
+        if report:  # the arms now served, in config order, with their weights (the export's `deployments`)
+            self.hub().set_arms.remote([a.name for a in config.arms], [a.weight for a in config.arms])
+        serving = config.serving
         app.openapi_schema = None  # FastAPI's document, completed with what this config knows
         app.openapi_schema = openapi.specserve_openapi(
-            app.openapi(), served_name=self.config.target.served_name, arms=[a.name for a in self.config.arms],
+            app.openapi(), served_name=config.target.served_name, arms=[a.name for a in config.arms],
             max_tokens_limit=serving.max_tokens_limit, auth=app.state.guard.auth,
             protect_metrics=serving.protect_metrics, protect_export=serving.protect_export)
 

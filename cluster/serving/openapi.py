@@ -180,6 +180,7 @@ class Export(BaseModel):
     requests: list[dict[str, Any]]
     audits: list[dict[str, Any]]
     dropped: dict[str, int]
+    deployments: list[dict[str, Any]] = Field(default_factory=list)  # each change of the arms or their weights
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

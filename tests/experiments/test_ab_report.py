@@ -179,3 +179,20 @@ def test_the_report_shows_when_the_arms_changed():
     assert change["arms_after"] == ["exact", "asd", "asd-wide"]
     assert (change["requests_before"], change["requests_after"]) == (1, 1)
     assert "arms changed at " in render_text(report) and "exact, asd -> exact, asd, asd-wide" in render_text(report)
+
+
+def test_the_report_shows_a_change_of_weights_alone():
+    """New weights for the same arms (an in-place update of the ingress's user_config) are a change too; the
+    same weights again (another ingress replica) are not."""
+    hub = TelemetryHub(TelemetrySettings(metrics=False))
+    hub.set_arms(["exact", "asd"], [1, 1])
+    hub.set_arms(["exact", "asd"], [1.0, 1.0])
+    hub.record([RequestRecord("a", "exact", "u0", 10, 8, 4, 8, 6, (2,), 1.0, 1.1, 2.0, "stop")])
+    hub.set_arms(["exact", "asd"], [1, 3])
+    export = hub.export()
+    assert [d["weights"] for d in export["deployments"]] == [{"exact": 1.0, "asd": 1.0}, {"exact": 1.0, "asd": 3.0}]
+    report = build_report(export, resamples=10)
+    (change,) = report["changes"]
+    assert (change["weights_before"], change["weights_after"]) == ({"exact": 1.0, "asd": 1.0},
+                                                                    {"exact": 1.0, "asd": 3.0})
+    assert "exact ×1, asd ×1 -> exact ×1, asd ×3" in render_text(report)

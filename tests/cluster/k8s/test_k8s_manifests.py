@@ -22,6 +22,7 @@ from cluster.k8s.crd import (
 from cluster.k8s.render import (
     REPO_ROOT,
     SERVE_DEPLOYMENTS,
+    app_config,
     manifest_filename,
     render_config_file,
     render_to_file,
@@ -74,7 +75,8 @@ def test_serve_config_parses_into_the_config_schema(path):
     doc = yaml.safe_load(path.read_text())
     app = serve_app(doc)
     assert app["import_path"] == "cluster.serving.app:build_app" and app["route_prefix"] == "/"
-    cfg = parse_config(app["args"]["config"])
+    assert not {"arms", "audit"} & set(app["args"]["config"])  # the ingress's user_config holds them
+    cfg = app_config(app)
     source = REPO_ROOT / doc["metadata"]["annotations"]["specserve/config"]
     assert cfg == load_config(source, check_engines=False).model_copy(
         update={"serving": load_config(source, check_engines=False).serving.model_copy(update={"host": "0.0.0.0"})}

@@ -33,6 +33,50 @@ def served_app(config: dict, app_name: str) -> Iterator[str]:
         _kill_app_actors(app_name)
 
 
+@contextlib.contextmanager
+def served_declaratively(config: dict, app_name: str) -> Iterator[str]:
+    """As `served_app`, but deployed as KubeRay deploys it: `deploy_declaratively`."""
+    from ray import serve
+
+    from cluster.cli import _kill_app_actors
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        deploy_declaratively(config, app_name)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        _kill_app_actors(app_name)
+
+
+def deploy_declaratively(config: dict, app_name: str, timeout_s: float = 240.0) -> float:
+    """Deploy the application that `specserve render-k8s` writes into serveConfigV2 for `config` (its arms and
+    audit as the ingress's user_config) through Serve's controller, which is what KubeRay's call to the dashboard's
+    REST API reaches; wait until it runs again. Returns the wall time the controller took it at."""
+    import time
+
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.config import parse_config
+    from cluster.k8s.render import serve_config
+
+    applications = serve_config(parse_config(config))["applications"]
+    assert [a["name"] for a in applications] == [app_name]
+    taken = time.time()
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": applications}))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        if app is not None and app.last_deployed_time_s >= taken - 1 and app.status == "RUNNING":
+            return taken
+        assert app is None or app.status not in ("DEPLOY_FAILED", "UNHEALTHY"), app.message
+        time.sleep(0.5)
+    raise TimeoutError(f"{app_name} did not run within {timeout_s} s: {serve.status().applications.get(app_name)}")
+
+
 def decoder_stats(app_name: str) -> dict:
     """The app's decoder unit's leak-check state (`DecoderUnit.stats`)."""
     from ray import serve

@@ -88,3 +88,32 @@ def test_bad_arm_lists():
         ArmRouter([])
     with pytest.raises(ValueError, match="unique"):
         ArmRouter([EXACT, EXACT])
+
+
+def test_ingress_user_config_round_trips_the_arms_and_audit():
+    from cluster.config import parse_config
+    from cluster.serving.ab import ingress_user_config, with_ingress_settings
+
+    base = parse_config({"name": "app", "target": {"source": "embedded:smollm2", "served_name": "m"}})
+    full = base.model_copy(update={"arms": [EXACT, ASD]})
+    user_config = ingress_user_config(full)
+    assert set(user_config) == {"arms", "audit"}
+    assert with_ingress_settings(base, user_config) == full
+    assert with_ingress_settings(full, {}) == full  # either part may be left out
+
+
+@pytest.mark.parametrize("user_config, message", [
+    ({"arms": [{"name": "exact", "weight": 0}]}, "user_config: invalid config\n  arms[0].weight"),
+    ({"arms": [{"name": "asd", "verification": "asd"}]}, "arms[0]"),
+    ({"audit": {"fraction": 0.5, "reference_arm": "nope"}}, "audit.reference_arm 'nope'"),
+    ({"gamma": {"gamma_max": 4}}, "user_config: unknown keys ['gamma']"),
+    (["exact"], "user_config: expected a mapping"),
+])
+def test_a_bad_ingress_user_config_names_its_field(user_config, message):
+    from cluster.config import parse_config
+    from cluster.serving.ab import with_ingress_settings
+
+    base = parse_config({"name": "app", "target": {"source": "embedded:smollm2", "served_name": "m"}})
+    with pytest.raises(ValueError) as err:
+        with_ingress_settings(base, user_config)
+    assert message in str(err.value), str(err.value)

@@ -207,7 +207,7 @@ def test_stream_audits_after_the_last_byte_and_when_the_client_leaves_after_the_
 
 
 def test_a_json_answer_runs_its_after_work_also_when_sending_fails():
-    from cluster.serving.ingress import AfterJSONResponse
+    from cluster.serving.failures import AfterJSONResponse
 
     done = []
 
