@@ -162,9 +162,12 @@ def test_asd_verdicts_equal_verify_asd_scores_and_ledgers_are_never_overspent(un
     assert sum(r.relaxed_tokens for r in records) > 0, "the gate never relaxed a token: the test proves nothing"
 
 
-def test_sampled_speculation_is_distribution_exact(unit, tokenizer):
+@pytest.mark.parametrize("rules", ["none", "penalised"])
+def test_sampled_speculation_is_distribution_exact(unit, tokenizer, rules):
     """The token after a verified draft follows the target's distribution: speculative vs target-only, two
-    samples of 400 requests at temperature 1 from a copy-heavy prompt, a chi-square test of homogeneity.
+    samples of 400 requests at temperature 1 from a copy-heavy prompt, a chi-square test of homogeneity; then
+    the same under a frequency and a presence penalty and a logit bias on the likely draft tokens (the
+    penalised target's distribution, applied at the draft positions by vLLM and by the plugin).
 
     Bound: categories with < 5 expected counts are pooled; at p > 0.001 a correct implementation fails one run
     in a thousand (fixed seeds make it deterministic), while a verifier that accepted drafts without the
@@ -177,9 +180,13 @@ def test_sampled_speculation_is_distribution_exact(unit, tokenizer):
     # max_tokens, so only that step's drafts count)
     prompt = tokenizer.encode("apple, banana, cherry, apple, banana, cherry, apple, banana, cherry, apple, banana,")
     n = 400
+    comma, stop = tokenizer.encode(",")[0], tokenizer.encode(".")[0]
+    kwargs = {} if rules == "none" else dict(frequency_penalty=1.0, presence_penalty=0.5,
+                                              logit_bias={comma: -1.5, stop: 1.0})
 
     def draw(speculate: bool, tag: str) -> tuple[list[int], int]:
-        requests = [GenerationRequest(f"{tag}{i}", prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=i),
+        requests = [GenerationRequest(f"{tag}{rules}{i}", prompt,
+                                      SamplingParams(max_tokens=3, temperature=1.0, seed=i, **kwargs),
                                       speculate=speculate) for i in range(n)]
         results = unit.generate_many_sync(requests)
         return [r.token_ids[1] for r in results if len(r.token_ids) > 1], sum(r.record.draft_tokens for r in results)
