@@ -6,7 +6,8 @@
 Needs only torch and the project's torch-only modules (no Ray, no model files: models get random weights).
 One JSON section per method of `Check` (copy_bandwidth, attention, decode, verify_cost, greedy_identity,
 verifiers, decode_variants); a failing one records its error and the others still run. The goals they are
-judged against are `goals` (the README, "GPU: the native engine on a device").
+judged against are `goals` (the README, "GPU: the native engine on a device"). The file is rewritten after every
+section, so a run stopped at a time limit keeps the sections it finished.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from actors.contracts import TargetBatch  # noqa: E402
 from actors.coordinator import Coordinator, GenerationRequest, SamplingParams  # noqa: E402
 from actors.drafting import ModelDrafter  # noqa: E402
 from actors.engines.native import Engine  # noqa: E402
-from actors.engines.native.graphs import compile_pointwise  # noqa: E402
 from actors.engines.native.model import CausalLM, ModelArgs  # noqa: E402
 from actors.policy import PolicyCore  # noqa: E402
 from actors.sampling import SamplingSpec  # noqa: E402
@@ -67,8 +67,8 @@ GOALS = {"decode_b1_bandwidth_use": 0.60, "v4_b1": 1.15}
 
 
 class Check:
-    def __init__(self, smoke: bool, budget_s: float):
-        self.smoke = smoke
+    def __init__(self, smoke: bool, budget_s: float, out: Path | None = None):
+        self.smoke, self.out = smoke, out
         self.device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
         self.budget_s, self.t0 = budget_s, time.perf_counter()
         self.sections: dict[str, dict] = {}
@@ -96,6 +96,17 @@ class Check:
             self.sections[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
         self.sections[name]["seconds"] = round(time.perf_counter() - start, 2)
         print(f"[{self.elapsed():6.1f}s] {name}: {json.dumps(self.sections[name])[:400]}", flush=True)
+        if self.out is not None:  # after every section: a run stopped at its time limit keeps what it measured
+            self.out.write_text(json.dumps(self.report(), indent=2, default=str))
+
+    def report(self) -> dict:
+        return {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "smoke": self.smoke,
+            "device": torch.cuda.get_device_name() if self.device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "goals": goals(self.sections), "elapsed_s": round(self.elapsed(), 1), "sections": self.sections,
+        }
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -117,9 +128,10 @@ class Check:
         model.inv_freq = inv_freq.to(self.device)
         return model.fuse_projections()
 
-    def engine(self, model: CausalLM, graphs: bool | None = None, max_slots: int = 32) -> Engine:
+    def engine(self, model: CausalLM, graphs: bool | None = None, max_slots: int = 32,
+               compiled: bool | None = None) -> Engine:
         return Engine(model, max_slots=max_slots, max_seq_len=self.max_seq_len,
-                      graphs=self.graphs if graphs is None else graphs, preallocate=True)
+                      graphs=self.graphs if graphs is None else graphs, preallocate=True, compiled=compiled)
 
     def prompts(self, batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
         gen = torch.Generator().manual_seed(seed)
@@ -217,7 +229,7 @@ class Check:
         model = self.big_model()
         engine = self.engine(model)
         out = {"model": f"{'tiny' if self.smoke else 'llama-3-8b'} shapes, random weights", "dtype": str(self.dtype),
-               "graphs": self.graphs,
+               "graphs": self.graphs, "pointwise_compiled": engine.compiled,
                "prompt_tokens": self.prompt_len, "steps": self.steps}
         for batch in (1, 8, 32):
             out[f"b{batch}"] = self.decode_rate(engine, batch, self.steps)
@@ -226,13 +238,14 @@ class Check:
         return out
 
     def decode_variants(self) -> dict:
-        """Batch-1 decode eager, and with compiled pointwise ops."""
-        model = self.big_model()
-        out = {"b1_eager": self.decode_rate(self.engine(model, graphs=False, max_slots=2), 1, max(2, self.steps // 4))}
-        compiled = compile_pointwise(model) if self.device.type == "cuda" else False
-        out["pointwise_compiled"] = compiled
-        if compiled:
-            out["b1_compiled"] = self.decode_rate(self.engine(model, max_slots=2), 1, self.steps)
+        """Batch-1 decode of a second, never-compiled copy of the model (the Engine's default compiles the
+        pointwise functions on CUDA): with graphs, and eager."""
+        model = self.model(self.big_args, self.dtype, seed=1)
+        out = {"b1_graphs_uncompiled": self.decode_rate(self.engine(model, max_slots=2, compiled=False), 1,
+                                                        self.steps),
+               "b1_eager_uncompiled": self.decode_rate(self.engine(model, graphs=False, max_slots=2, compiled=False),
+                                                       1, max(2, self.steps // 4))}
+        del model
         return out
 
     def verify_cost(self) -> dict:
@@ -355,7 +368,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     if args.smoke:
         torch.set_num_threads(1)
-    check = Check(args.smoke, args.budget_s)
+    check = Check(args.smoke, args.budget_s, Path(args.out))
     if check.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 in the identity check
     check.run("copy_bandwidth", check.copy_bandwidth)
@@ -365,13 +378,7 @@ def main(argv=None) -> int:
     check.run("greedy_identity", check.greedy_identity)
     check.run("verifiers", check.verifiers)
     check.run("decode_variants", check.decode_variants, optional=True)
-    report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "smoke": args.smoke,
-        "device": torch.cuda.get_device_name() if check.device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "goals": goals(check.sections), "elapsed_s": round(check.elapsed(), 1), "sections": check.sections,
-    }
+    report = check.report()
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print(json.dumps(report["goals"]), f"-> {args.out} in {report['elapsed_s']} s", flush=True)
     errors = [name for name, s in check.sections.items() if "error" in s]

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from actors.devices import to_device
-from actors.engines.native.graphs import StaticForward, batch_bucket
+from actors.engines.native.graphs import StaticForward, batch_bucket, compile_pointwise
 from actors.engines.native.kv_cache import CacheBatch, SlotCache, aligned
 from actors.engines.native.model import CausalLM, Packing
 from actors.engines.native.packed import can_pack, can_prepack
@@ -48,12 +48,14 @@ class Engine:
     packed: run the packed, batch-invariant CPU forward (`CausalLM.pack_for_cpu`; default: for bf16 weights on
     a CPU with native bf16, where it is also the fast path); True where that is impossible is a ValueError.
     float32 weights on a CPU get prepacked oneDNN linears by default (`CausalLM.pack_linears`); False keeps
-    PyTorch's plain `F.linear` for both.
+    PyTorch's plain `F.linear` for both. compiled: swap RMSNorm, RoPE and SiLU·up for `torch.compile`d
+    kernels (`graphs.compile_pointwise`; default: where graphs are on by default, staying eager with a warning
+    if compiling fails); True where compiling fails is a RuntimeError.
     """
 
     def __init__(self, model: CausalLM, max_slots: int = 64, max_seq_len: int | None = None, *,
                  graphs: bool | None = None, preallocate: bool | None = None, max_graph_tokens: int = 16,
-                 packed: bool | None = None):
+                 packed: bool | None = None, compiled: bool | None = None):
         if max_slots < 1:
             raise ValueError(f"max_slots: must be >= 1, got {max_slots}")
         self.model = model.fuse_projections()
@@ -65,6 +67,9 @@ class Engine:
         args, device = model.args, model.device
         on_cuda = device.type == "cuda"
         asked = graphs is True or preallocate is True  # explicit: a cache that does not fit is an error
+        self.compiled = (on_cuda and args.tp_size == 1 if compiled is None else compiled) and compile_pointwise(model)
+        if compiled and not self.compiled:
+            raise RuntimeError("compiled: torch.compile of the pointwise functions failed (see the log)")
         graphs = on_cuda and args.tp_size == 1 if graphs is None else graphs
         fixed = None
         if graphs or (on_cuda if preallocate is None else preallocate):

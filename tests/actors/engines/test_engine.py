@@ -163,3 +163,25 @@ def test_float32_on_a_cpu_runs_prepacked_linears_with_the_plain_forwards_logits(
     ids = [[5, 6, 7, 8, 9, 10, 11], [40, 41]]
     torch.testing.assert_close(a.forward(["x", "y"], ids), b.forward(["x", "y"], ids), atol=ATOL, rtol=0)
     torch.testing.assert_close(a.forward(["x"], [[3, 4, 5]]), b.forward(["x"], [[3, 4, 5]]), atol=ATOL, rtol=0)
+
+
+def test_compiled_pointwise_functions_give_the_eager_logits(tiny_llama_dir):
+    """`compiled=True` (the default on CUDA) swaps RMSNorm, RoPE and SiLU·up for torch.compile'd kernels; on
+    the CPU Inductor compiles them to C++, with the eager logits, prompts and verify blocks alike."""
+    eager, compiled = load_model(tiny_llama_dir)[0], load_model(tiny_llama_dir)[0]
+    a, b = Engine(eager, max_slots=2), Engine(compiled, max_slots=2, compiled=True)
+    assert b.compiled and not a.compiled
+    assert compiled.layers[0].input_layernorm.fn is not eager.layers[0].input_layernorm.fn
+    ids = [[5, 6, 7, 8, 9, 10, 11], [40, 41]]
+    torch.testing.assert_close(a.forward(["x", "y"], ids), b.forward(["x", "y"], ids), atol=ATOL, rtol=0)
+    torch.testing.assert_close(a.forward(["x"], [[3, 4, 5]]), b.forward(["x"], [[3, 4, 5]]), atol=ATOL, rtol=0)
+
+
+def test_compiled_asked_for_where_compiling_fails_is_an_error(model, monkeypatch):
+    """Without Triton or a C compiler `compile_pointwise` returns False: a default stays eager, True raises."""
+    import actors.engines.native.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "compile_pointwise", lambda model: False)
+    assert not Engine(model, max_slots=1).compiled
+    with pytest.raises(RuntimeError, match="compiled"):
+        Engine(model, max_slots=1, compiled=True)
