@@ -162,6 +162,8 @@ def model_info(source) -> dict:
         "eos_token_ids": sorted(eos),
         "bos_token_id": config.bos_token_id,
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "mtp_layers": int(getattr(text, "num_nextn_predict_layers", 0) or getattr(text, "mtp_num_hidden_layers", 0)
+                          or 0),
     }
 
 

@@ -19,7 +19,6 @@ DRAFTER_ENGINE_DESCRIPTION = ("What executes a model drafter (kind 'model'): 'na
                               "a target on engine 'vllm').")
 
 VllmMethod = Literal["draft_model", "eagle", "eagle3", "mtp"]
-VLLM_METHODS_BUILT = ("draft_model", "eagle", "eagle3")  # attached and tested; the others fail at load until they are
 METHOD_DESCRIPTION = (
     "kind 'vllm' only: vLLM's own proposer, run inside the target's vLLM worker with specserve's γ per request "
     "(docs/architecture.md, 'The vLLM engine'): 'draft_model' (a small model of the target's vocabulary, "
@@ -43,10 +42,11 @@ def check_drafter_kwargs(kind: str, method: str | None, source: str | None, engi
         return
     if method is None:
         raise ValueError("drafter.method is required when drafter.kind is 'vllm'")
-    if method not in VLLM_METHODS_BUILT:
-        raise ValueError(f"drafter.method {method!r} is not available yet; built: {list(VLLM_METHODS_BUILT)}")
     if method != "mtp" and source is None:
         raise ValueError(f"drafter.source (the draft model or head) is required for drafter.method {method!r}")
+    if method == "mtp" and source is not None:
+        raise ValueError("drafter.source must be left out for drafter.method 'mtp': it drafts with the target's own "
+                         "MTP layers (target.source)")
     owned = sorted(set(kwargs) & set(SPECULATIVE_OWNED))
     if owned:
         raise ValueError(f"drafter.engine_kwargs may not set {owned}: specserve sets them from drafter.method, "

@@ -81,10 +81,12 @@ def validate_models(cfg: SpecServeConfig, model_info: Callable[[str], dict] | No
     - a model drafter's vocabulary equals the target's (draft ids are scored by the target), and so does a
       draft model's with drafter kind 'vllm';
     - an EAGLE head's hidden size equals the target's (it reads the target's hidden states);
+    - with drafter.method 'mtp', the target declares MTP layers (`num_nextn_predict_layers` or
+      `mtp_num_hidden_layers` in its config);
     - target.max_seq_len fits the target's position embeddings.
 
     `model_info(source)` returns a dict with vocab_size, hidden_size, num_attention_heads, num_key_value_heads,
-    max_position_embeddings (default: `actors.sources.model_info`, which reads only the model's config).
+    max_position_embeddings, mtp_layers (default: `actors.sources.model_info`, which reads only the model's config).
     """
     if model_info is None:
         from actors.sources import model_info
@@ -110,6 +112,10 @@ def validate_models(cfg: SpecServeConfig, model_info: Callable[[str], dict] | No
         if head["hidden_size"] != target["hidden_size"]:
             raise ValueError(f"drafter.source hidden_size ({head['hidden_size']}) must equal the target's "
                              f"({target['hidden_size']}): an EAGLE head reads the target's hidden states")
+    if method == "mtp" and not target.get("mtp_layers"):
+        raise ValueError(f"drafter.method 'mtp' drafts with the target's own MTP layers, and target.source "
+                         f"({cfg.target.source}) declares none (no num_nextn_predict_layers or mtp_num_hidden_layers "
+                         "in its config)")
 
 
 def dotted_path(loc: tuple) -> str:

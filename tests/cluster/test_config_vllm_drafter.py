@@ -29,11 +29,15 @@ def test_kind_vllm_flows_typed_into_the_unit_and_vllms_speculative_config():
     assert args["additional_config"]["specserve"]["vllm_proposer"] is True and args["async_scheduling"] is False
     for method in ("eagle", "eagle3"):
         assert parse_config({**BASE, "drafter": {**DRAFT_MODEL, "method": method}}).drafter.method == method
+    mtp = unit_setup(parse_config({**BASE, "drafter": {"kind": "vllm", "method": "mtp"}}))["drafter"]
+    spec = mtp.speculative_config(2)
+    assert (spec["method"], spec["model"], spec["num_speculative_tokens"]) == ("mtp", None, 2)
 
 
 @pytest.mark.parametrize("drafter, target, message", [
     ({**DRAFT_MODEL, "method": "medusa"}, {}, r"drafter.method: Input should be 'draft_model'"),
-    ({"kind": "vllm", "method": "mtp"}, {}, r"drafter.method 'mtp' is not available yet"),
+    ({"kind": "vllm", "method": "mtp", "source": "embedded:smollm2"}, {}, r"drafter.source must be left out for "
+     r"drafter.method 'mtp'"),
     ({"kind": "vllm", "source": "embedded:smollm2"}, {}, r"drafter.method is required"),
     ({"kind": "vllm", "method": "eagle3"}, {}, r"drafter.source .* is required for drafter.method 'eagle3'"),
     ({"kind": "ngram", "method": "draft_model"}, {}, r"drafter.method is only used when drafter.kind is 'vllm'"),
@@ -69,3 +73,17 @@ def test_a_draft_model_or_eagle_head_that_does_not_fit_the_target_fails_at_load_
             validate_models(cfg, model_info=models.__getitem__)
     validate_models(parse_config({**BASE, "target": target_spec, "drafter": {**DRAFT_MODEL, "method": "eagle"}}),
                     model_info=models.__getitem__)
+
+
+def test_mtp_needs_a_target_that_declares_mtp_layers():
+    from cluster.config import validate_models
+
+    plain = {"vocab_size": 1000, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "mtp_layers": 0}
+    models = {"/plain": plain, "/mimo": {**plain, "mtp_layers": 1}}
+    mtp = {"kind": "vllm", "method": "mtp"}
+    with pytest.raises(ValueError, match=r"drafter.method 'mtp' .* target.source \(/plain\) declares none"):
+        validate_models(parse_config({**BASE, "target": {**BASE["target"], "source": "/plain", "max_seq_len": None},
+                                      "drafter": mtp}), model_info=models.__getitem__)
+    validate_models(parse_config({**BASE, "target": {**BASE["target"], "source": "/mimo", "max_seq_len": None},
+                                  "drafter": mtp}), model_info=models.__getitem__)

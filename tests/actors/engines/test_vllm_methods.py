@@ -6,9 +6,10 @@ verdicts replay with `verify_asd_scores` and no ledger is overspent; SmolLM2 dra
 Models built here as HF folders, with head_dim 64 (vLLM's CPU attention has no kernel for the conftest Llama's 16):
 a tiny random Llama target; a draft model that shares its embedding and first layer; EAGLE and EAGLE-3 heads whose
 layer adds nothing and whose fc passes the target's hidden state through, so they draft the token the target just
-chose (accepted where the target repeats itself). Each proposes some drafts that are accepted and some that are not.
-One engine per method (draft_model, eagle, eagle3), started after the plain engine that gives the reference output
-is stopped.
+chose (accepted where the target repeats itself); for mtp, a tiny random MiMo target (vLLM's MiMoForCausalLM, a
+Qwen2 with one MTP layer in its checkpoint) whose MTP layer drafts the same way. Each proposes some drafts that are
+accepted and some that are not. One engine per method (draft_model, eagle, eagle3, mtp), started after the plain
+engine that gives its target's reference output is stopped.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ def models(tmp_path_factory, smollm2_tokenizer):
                             **SHAPE)
     eagle = save_eagle_head(tmp_path_factory.mktemp("m_eagle"), target)
     eagle3 = save_eagle3_head(tmp_path_factory.mktemp("m_eagle3"), target)
-    return {"target": str(target), "draft_model": str(draft), "eagle": eagle, "eagle3": eagle3}
+    mimo = save_tiny_mimo(tmp_path_factory.mktemp("m_mimo"), smollm2_tokenizer)
+    return {"target": str(target), "draft_model": str(draft), "eagle": eagle, "eagle3": eagle3, "mimo": mimo}
+
+
+TARGET_OF = {"draft_model": "target", "eagle": "target", "eagle3": "target", "mtp": "mimo"}  # method -> its target
+SOURCE_OF = {"draft_model": "draft_model", "eagle": "eagle", "eagle3": "eagle3", "mtp": None}  # mtp: the target's
 
 
 def save_eagle_head(directory, target_dir) -> str:
@@ -104,6 +110,45 @@ def save_eagle3_head(directory, target_dir) -> str:
     return str(directory)
 
 
+def save_tiny_mimo(directory, tokenizer) -> str:
+    """A tiny random MiMo (vLLM's MiMoForCausalLM: a Qwen2 whose checkpoint holds `model.mtp_layers.0.*`, and
+    `num_nextn_predict_layers` 1). Its MTP layer's `input_proj` passes the target's hidden state through (not the
+    token embedding) and its block adds nothing, so, with the shared lm_head, it drafts the token just chosen."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    directory = Path(directory)
+    torch.manual_seed(4)
+    config = Qwen2Config(vocab_size=len(tokenizer), num_hidden_layers=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                         rope_theta=10000.0, **SHAPE)
+    Qwen2ForCausalLM(config).eval().save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    meta = json.loads((directory / "config.json").read_text())
+    meta.update(architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (directory / "config.json").write_text(json.dumps(meta))
+    h, i = config.hidden_size, config.intermediate_size
+    kv = h // config.num_attention_heads * config.num_key_value_heads
+    weights = load_file(str(directory / "model.safetensors"))
+    mtp = "model.mtp_layers.0."
+    for name, shape in {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                        "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h)}.items():
+        weights[f"{mtp}{name}.weight"] = torch.randn(shape) * 0.02
+    for name, size in {"q_proj": h, "k_proj": kv, "v_proj": kv}.items():
+        weights[f"{mtp}self_attn.{name}.bias"] = torch.zeros(size)
+    weights[f"{mtp}self_attn.o_proj.weight"] = torch.zeros(h, h)  # the block adds nothing to its residual
+    weights[f"{mtp}mlp.down_proj.weight"] = torch.zeros(h, i)
+    for norm in ("token_layernorm", "hidden_layernorm", "input_layernorm", "post_attention_layernorm",
+                 "final_layernorm"):
+        weights[f"{mtp}{norm}.weight"] = torch.ones(h)
+    weights[f"{mtp}input_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)  # (hidden, token)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return str(directory)
+
+
 @pytest.fixture(scope="module")
 def prompts(smollm2_tokenizer) -> list[list[int]]:
     texts = ["apple, banana, cherry, apple, banana, cherry,", "def add(a, b):\n    return a + b\n",
@@ -112,24 +157,42 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain_greedy(models, prompts):
-    """vLLM's own greedy output of the target (no speculation, no specserve settings)."""
+def references(models, prompts):
+    """vLLM's own greedy output of a target (no speculation, no specserve settings), by the target's name in
+    `models`; each computed once, when first asked for, while no unit runs."""
     from vllm import LLM, SamplingParams as VSampling
 
-    llm = LLM(model=models["target"], dtype="float32", max_model_len=MAX_SEQ_LEN, seed=0, **ENGINE)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        VSampling(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    tokens = [list(out.outputs[0].token_ids) for out in outs]
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    return tokens
+    cache: dict[str, list[list[int]]] = {}
+
+    def reference(target: str) -> list[list[int]]:
+        if target not in cache:
+            llm = LLM(model=models[target], dtype="float32", max_model_len=MAX_SEQ_LEN, seed=0, **ENGINE)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                VSampling(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+            cache[target] = [list(out.outputs[0].token_ids) for out in outs]
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        return cache[target]
+
+    return reference
 
 
-@pytest.fixture(scope="module", params=["draft_model", "eagle", "eagle3"])
-def unit(request, models, plain_greedy):
-    setup = TargetSetup(models["target"], max_slots=8, max_seq_len=MAX_SEQ_LEN, engine_kwargs=ENGINE)
-    unit = VllmUnit(unit=f"vllm-{request.param}", setup=setup, policy=POLICY, record_asd=True,
-                    drafter=DrafterSetup(kind="vllm", method=request.param, source=models[request.param])).start()
+@pytest.fixture(scope="module", params=list(TARGET_OF))
+def method(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(method, references) -> list[list[int]]:
+    return references(TARGET_OF[method])
+
+
+@pytest.fixture(scope="module")
+def unit(method, models, plain_greedy):
+    setup = TargetSetup(models[TARGET_OF[method]], max_slots=8, max_seq_len=MAX_SEQ_LEN, engine_kwargs=ENGINE)
+    source = models[SOURCE_OF[method]] if SOURCE_OF[method] else None
+    unit = VllmUnit(unit=f"vllm-{method}", setup=setup, policy=POLICY, record_asd=True,
+                    drafter=DrafterSetup(kind="vllm", method=method, source=source)).start()
     yield unit
     unit.close_sync()
 
