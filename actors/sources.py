@@ -128,6 +128,13 @@ def load_tokenizer(source):
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
+def _medusa_config(source) -> dict | None:
+    if _gguf_path(source) is not None:
+        return None
+    raw = json.loads((Path(source) / "config.json").read_text())
+    return raw if raw.get("model_type") == "medusa" else None
+
+
 def _config(source):
     from transformers import AutoConfig
 
@@ -144,7 +151,14 @@ def _config(source):
 
 
 def model_info(source) -> dict:
-    """Facts from a source's config only (no weights): for validating deployment configs."""
+    """Facts from a source's config only (no weights): for validating deployment configs. A Medusa head (a
+    config.json of model_type 'medusa', which transformers does not know) gives model_type, vocab_size,
+    hidden_size and num_heads."""
+    medusa = _medusa_config(source)
+    if medusa is not None:
+        heads = next((v for k, v in medusa.items() if "num" in k and "heads" in k), None)  # vLLM's MedusaConfig
+        return {"model_type": "medusa", "vocab_size": medusa.get("vocab_size"), "hidden_size": medusa["hidden_size"],
+                "num_heads": heads}
     config, directory = _config(source)
     text = getattr(config, "text_config", None) or config
     eos = set()

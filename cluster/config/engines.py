@@ -18,11 +18,12 @@ ENGINE_KWARGS_DESCRIPTION = (
 DRAFTER_ENGINE_DESCRIPTION = ("What executes a model drafter (kind 'model'): 'native', or 'vllm' (greedy drafts; for "
                               "a target on engine 'vllm').")
 
-VllmMethod = Literal["draft_model", "eagle", "eagle3", "mtp"]
+VllmMethod = Literal["draft_model", "eagle", "eagle3", "mtp", "medusa"]
 METHOD_DESCRIPTION = (
     "kind 'vllm' only: vLLM's own proposer, run inside the target's vLLM worker with specserve's γ per request "
     "(docs/architecture.md, 'The vLLM engine'): 'draft_model' (a small model of the target's vocabulary, "
-    "`source`), 'eagle' / 'eagle3' (a head, `source`), 'mtp' (the target's own MTP layers, no `source`).")
+    "`source`), 'eagle' / 'eagle3' (a head, `source`), 'mtp' (the target's own MTP layers, no `source`), 'medusa' "
+    "(Medusa heads, `source`, at least gamma.gamma_max of them).")
 DRAFTER_KWARGS_DESCRIPTION = (
     "drafter.engine 'vllm': vLLM's engine arguments for the drafter's own engine; kind 'vllm': the rest of vLLM's "
     "`speculative_config` (e.g. draft_tensor_parallel_size, rejection_sample_method), as they are.")

@@ -81,6 +81,8 @@ def validate_models(cfg: SpecServeConfig, model_info: Callable[[str], dict] | No
     - a model drafter's vocabulary equals the target's (draft ids are scored by the target), and so does a
       draft model's with drafter kind 'vllm';
     - an EAGLE head's hidden size equals the target's (it reads the target's hidden states);
+    - with drafter.method 'medusa', drafter.source is a Medusa head of the target's hidden and vocabulary sizes,
+      with at least gamma.gamma_max heads;
     - with drafter.method 'mtp', the target declares MTP layers (`num_nextn_predict_layers` or
       `mtp_num_hidden_layers` in its config);
     - target.max_seq_len fits the target's position embeddings.
@@ -112,6 +114,18 @@ def validate_models(cfg: SpecServeConfig, model_info: Callable[[str], dict] | No
         if head["hidden_size"] != target["hidden_size"]:
             raise ValueError(f"drafter.source hidden_size ({head['hidden_size']}) must equal the target's "
                              f"({target['hidden_size']}): an EAGLE head reads the target's hidden states")
+    if method == "medusa":
+        head = model_info(cfg.drafter.source)
+        if head.get("model_type") != "medusa":
+            raise ValueError(f"drafter.source ({cfg.drafter.source}) is not a Medusa head (config.json model_type "
+                             f"{head.get('model_type')!r}, not 'medusa')")
+        for key in ("hidden_size", "vocab_size"):
+            if head[key] is not None and head[key] != target[key]:
+                raise ValueError(f"drafter.source {key} ({head[key]}) must equal the target's ({target[key]}): Medusa "
+                                 "heads read the target's hidden states and draft its token ids")
+        if (head["num_heads"] or 0) < cfg.gamma.gamma_max:
+            raise ValueError(f"drafter.source has {head['num_heads']} Medusa heads, fewer than gamma.gamma_max "
+                             f"({cfg.gamma.gamma_max}): each head drafts one position, so γ can reach only as many")
     if method == "mtp" and not target.get("mtp_layers"):
         raise ValueError(f"drafter.method 'mtp' drafts with the target's own MTP layers, and target.source "
                          f"({cfg.target.source}) declares none (no num_nextn_predict_layers or mtp_num_hidden_layers "

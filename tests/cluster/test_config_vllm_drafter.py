@@ -35,7 +35,7 @@ def test_kind_vllm_flows_typed_into_the_unit_and_vllms_speculative_config():
 
 
 @pytest.mark.parametrize("drafter, target, message", [
-    ({**DRAFT_MODEL, "method": "medusa"}, {}, r"drafter.method: Input should be 'draft_model'"),
+    ({**DRAFT_MODEL, "method": "lookahead"}, {}, r"drafter.method: Input should be 'draft_model'"),
     ({"kind": "vllm", "method": "mtp", "source": "embedded:smollm2"}, {}, r"drafter.source must be left out for "
      r"drafter.method 'mtp'"),
     ({"kind": "vllm", "source": "embedded:smollm2"}, {}, r"drafter.method is required"),
@@ -73,6 +73,35 @@ def test_a_draft_model_or_eagle_head_that_does_not_fit_the_target_fails_at_load_
             validate_models(cfg, model_info=models.__getitem__)
     validate_models(parse_config({**BASE, "target": target_spec, "drafter": {**DRAFT_MODEL, "method": "eagle"}}),
                     model_info=models.__getitem__)
+
+
+def test_a_medusa_head_must_fit_the_target_and_have_gamma_max_heads():
+    from cluster.config import validate_models
+
+    target = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2}
+    head = {"model_type": "medusa", "vocab_size": 1000, "hidden_size": 64, "num_heads": 8}
+    models = {"/t": target, "/heads": head, "/narrow": {**head, "hidden_size": 32}, "/few": {**head, "num_heads": 2},
+              "/llama": target}
+    base = {**BASE, "target": {**BASE["target"], "source": "/t", "max_seq_len": None}, "gamma": {"gamma_max": 4}}
+    for source, message in [("/narrow", r"drafter.source hidden_size \(32\) must equal the target's \(64\)"),
+                            ("/few", r"drafter.source has 2 Medusa heads, fewer than gamma.gamma_max \(4\)"),
+                            ("/llama", r"drafter.source \(/llama\) is not a Medusa head")]:
+        cfg = parse_config({**base, "drafter": {"kind": "vllm", "method": "medusa", "source": source}})
+        with pytest.raises(ValueError, match=message):
+            validate_models(cfg, model_info=models.__getitem__)
+    validate_models(parse_config({**base, "drafter": {"kind": "vllm", "method": "medusa", "source": "/heads"}}),
+                    model_info=models.__getitem__)
+
+
+def test_model_info_reads_a_medusa_heads_config(tmp_path):
+    import json
+
+    from actors.sources import model_info
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "medusa", "hidden_size": 64, "vocab_size": 1000,
+                                                      "medusa_num_heads": 5, "medusa_num_layers": 1}))
+    assert model_info(tmp_path) == {"model_type": "medusa", "vocab_size": 1000, "hidden_size": 64, "num_heads": 5}
 
 
 def test_mtp_needs_a_target_that_declares_mtp_layers():

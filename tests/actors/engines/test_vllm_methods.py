@@ -7,9 +7,9 @@ Models built here as HF folders, with head_dim 64 (vLLM's CPU attention has no k
 a tiny random Llama target; a draft model that shares its embedding and first layer; EAGLE and EAGLE-3 heads whose
 layer adds nothing and whose fc passes the target's hidden state through, so they draft the token the target just
 chose (accepted where the target repeats itself); for mtp, a tiny random MiMo target (vLLM's MiMoForCausalLM, a
-Qwen2 with one MTP layer in its checkpoint) whose MTP layer drafts the same way. Each proposes some drafts that are
-accepted and some that are not. One engine per method (draft_model, eagle, eagle3, mtp), started after the plain
-engine that gives its target's reference output is stopped.
+Qwen2 with one MTP layer in its checkpoint) whose MTP layer drafts the same way; Medusa heads that do too. Each
+proposes some drafts that are accepted and some that are not. One engine per method (draft_model, eagle, eagle3,
+medusa, mtp), started after the plain engine that gives its target's reference output is stopped.
 """
 
 from __future__ import annotations
@@ -49,12 +49,15 @@ def models(tmp_path_factory, smollm2_tokenizer):
                             **SHAPE)
     eagle = save_eagle_head(tmp_path_factory.mktemp("m_eagle"), target)
     eagle3 = save_eagle3_head(tmp_path_factory.mktemp("m_eagle3"), target)
+    medusa = save_medusa_head(tmp_path_factory.mktemp("m_medusa"), target)
     mimo = save_tiny_mimo(tmp_path_factory.mktemp("m_mimo"), smollm2_tokenizer)
-    return {"target": str(target), "draft_model": str(draft), "eagle": eagle, "eagle3": eagle3, "mimo": mimo}
+    return {"target": str(target), "draft_model": str(draft), "eagle": eagle, "eagle3": eagle3, "medusa": medusa,
+            "mimo": mimo}
 
 
-TARGET_OF = {"draft_model": "target", "eagle": "target", "eagle3": "target", "mtp": "mimo"}  # method -> its target
-SOURCE_OF = {"draft_model": "draft_model", "eagle": "eagle", "eagle3": "eagle3", "mtp": None}  # mtp: the target's
+TARGET_OF = {"draft_model": "target", "eagle": "target", "eagle3": "target", "medusa": "target",
+             "mtp": "mimo"}  # method -> its target
+SOURCE_OF = {method: None if method == "mtp" else method for method in TARGET_OF}  # mtp: the target's own layers
 
 
 def save_eagle_head(directory, target_dir) -> str:
@@ -106,6 +109,28 @@ def save_eagle3_head(directory, target_dir) -> str:
         weights[f"{norm}.weight"] = torch.ones(h)
     weights["fc.weight"] = torch.cat([torch.zeros(h, 2 * h), torch.eye(h)], dim=1)  # the last layer's output
     weights["lm_head.weight"] = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"]
+    save_file(weights, str(Path(directory) / "model.safetensors"))
+    return str(directory)
+
+
+def save_medusa_head(directory, target_dir) -> str:
+    """Medusa heads for the target (vLLM's MedusaModel), GAMMA_MAX of them: each a residual block that adds
+    nothing and the target's lm_head, so every head drafts the token the target just chose."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    h = target["hidden_size"]
+    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": h,
+              "vocab_size": target["vocab_size"], "num_heads": GAMMA_MAX, "num_hidden_layers": 1}
+    (Path(directory) / "config.json").write_text(json.dumps(config))
+    embedding = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"]
+    weights = {}
+    for head in range(GAMMA_MAX):
+        weights[f"blocks.{head}.layers.0.weight"] = torch.zeros(h, h)  # x + silu(0·x) = x
+        weights[f"lm_heads.{head}.weight"] = embedding.clone()
     save_file(weights, str(Path(directory) / "model.safetensors"))
     return str(directory)
 
