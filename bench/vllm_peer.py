@@ -63,7 +63,7 @@ GROUPS = {"ngram": {"specserve": ("specserve", "specserve_native"), "vllm": ("vl
           "draft": {"specserve": ("specserve_draft", "specserve_actor"), "vllm": ("vllm_draft2", "vllm_draft4")},
           "draft_long": {"specserve": ("specserve_draft", "specserve_actor"), "vllm": ("vllm_draft8",)}}
 BENCH_KV_CACHE_BYTES = 1 << 30  # every vLLM engine's paged KV cache (both sides): 32 streams of 2k tokens fit
-READY_TIMEOUT_S = 900.0  # a first start compiles the model (~2 min on 2 cores) unless enforce_eager
+READY_TIMEOUT_S = 1800.0  # a first start compiles (~2 min alone on 2 cores; a cold group of four took > 15 min)
 ACCEPT_METRICS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
