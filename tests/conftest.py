@@ -10,12 +10,21 @@
 - `ray_cluster`: a session-scoped local Ray cluster (`ray.init(address="local", num_cpus=2)`). Ray 2.60 enables token
   authentication by default for a local cluster and generates the token itself (~/.ray/auth_token); nothing
   needs setting. Set RAY_AUTH_MODE=disabled in the environment to opt out.
+
+vLLM's CPU worker binds its OpenMP threads to all cores but one by default, and keeps the last for the
+frontend; on a 2-core machine that leaves the model one core while the test process mostly waits. The suite
+binds vLLM to every core (`VLLM_CPU_OMP_THREADS_BIND`, unless the environment sets it): its vLLM tests run
+about a third faster. Set before any Ray cluster starts, so Serve replicas and actors inherit it.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
 
 # Repetitive token prompts, so that prompt lookup finds drafts and some of them are accepted.
 REPETITIVE_PROMPTS = [

@@ -34,6 +34,9 @@ ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20}
 POLICY = dict(gamma_max=8, gamma_min=0, prior_alpha=0.6, draft_cost=0.02, fixed_gamma=None)
 MAX_TOKENS = 48
 VDRAFT_TOKENS = 24  # the vLLM-drafter test's answers (a prefix of the plain greedy ones)
+CPU_KV_BLOCK = 128  # vLLM's CPU block size: prefix caching reuses whole blocks
+PREAMBLE = ("Notes from the market. The stalls open at seven and the fruit sellers shout their prices across "
+            "the square. Some customers buy by the kilo, others one piece at a time. ")
 
 
 def prompts(tokenizer) -> list[list[int]]:
@@ -85,7 +88,7 @@ def plain_greedy(tokenizer):
 
 @pytest.fixture(scope="module")
 def unit(plain_greedy):
-    unit = VllmUnit(unit="test-vllm", setup=TargetSetup(SOURCE, max_slots=16, max_seq_len=1024, engine_kwargs=ENGINE),
+    unit = VllmUnit(unit="test-vllm", setup=TargetSetup(SOURCE, max_slots=64, max_seq_len=1024, engine_kwargs=ENGINE),
                     drafter=DrafterSetup(kind="ngram"), policy=POLICY, record_asd=True).start()
     yield unit
     unit.close_sync()
@@ -171,14 +174,18 @@ def test_sampled_speculation_is_distribution_exact(unit, tokenizer, rules):
 
     Bound: categories with < 5 expected counts are pooled; at p > 0.001 a correct implementation fails one run
     in a thousand (fixed seeds make it deterministic), while a verifier that accepted drafts without the
-    min(1, p/q) test would put the draft token's mass near 1 and fail at p ~ 0.
+    min(1, p/q) test would put the draft token's mass (about half under the target) near 1 and fail at p ~ 0.
+
+    Cost: the prompt fills one of vLLM's CPU KV blocks (128 tokens) plus one token, so after the first requests
+    each one prefills a single token from the prefix cache, and the unit's 64 slots batch the draws.
     """
     from scipy.stats import chi2_contingency
 
     # a raw continuation whose next token is almost surely in the prompt, so the n-gram drafter drafts at the
     # first decode step: token 1 is the first one a verification decides (a γ clamp keeps later drafts within
     # max_tokens, so only that step's drafts count)
-    prompt = tokenizer.encode("apple, banana, cherry, apple, banana, cherry, apple, banana, cherry, apple, banana,")
+    tail = tokenizer.encode("apple, banana, cherry, apple, banana, cherry, apple, banana, cherry, apple, banana,")
+    prompt = (tokenizer.encode(PREAMBLE) * 8)[: CPU_KV_BLOCK + 1 - len(tail)] + tail
     n = 400
     comma, stop = tokenizer.encode(",")[0], tokenizer.encode(".")[0]
     kwargs = {} if rules == "none" else dict(frequency_penalty=1.0, presence_penalty=0.5,
