@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RECORD_TIMEOUT_S = 10.0  # reading a finished request's record from the worker
+# Reading a finished request's record from the worker: vLLM answers between engine steps, and one step of a full
+# batch with long prefills can take tens of seconds on a CPU (a shorter bound lost records under load).
+RECORD_TIMEOUT_S = 120.0
 MAX_RESUMES = 2  # engine deaths a request is resumed after, before it ends with an error
 
 
