@@ -13,8 +13,8 @@
 
 vLLM's CPU worker binds its OpenMP threads to all cores but one by default, and keeps the last for the
 frontend; on a 2-core machine that leaves the model one core while the test process mostly waits. The suite
-binds vLLM to every core (`VLLM_CPU_OMP_THREADS_BIND`, unless the environment sets it): its vLLM tests run
-about a third faster. Set before any Ray cluster starts, so Serve replicas and actors inherit it.
+binds vLLM to every allowed core (`VLLM_CPU_OMP_THREADS_BIND`, unless the environment sets it), before any Ray
+cluster starts, so Serve replicas and actors inherit it.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Reading a finished request's record from the worker: vLLM answers between engine steps, and one step of a full
-# batch with long prefills can take tens of seconds on a CPU (a shorter bound lost records under load).
+# Reading a finished request's record from the worker: vLLM answers between engine steps, so this bounds one step
+# (a full batch of long prefills on a CPU included).
 RECORD_TIMEOUT_S = 120.0
 MAX_RESUMES = 2  # engine deaths a request is resumed after, before it ends with an error
 

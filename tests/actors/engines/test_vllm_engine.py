@@ -176,8 +176,7 @@ def test_sampled_speculation_is_distribution_exact(unit, tokenizer, rules):
     in a thousand (fixed seeds make it deterministic), while a verifier that accepted drafts without the
     min(1, p/q) test would put the draft token's mass (about half under the target) near 1 and fail at p ~ 0.
 
-    Cost: the prompt fills one of vLLM's CPU KV blocks (128 tokens) plus one token, so after the first requests
-    each one prefills a single token from the prefix cache, and the unit's 64 slots batch the draws.
+    The prompt is one CPU KV block plus one token, so the prefix cache leaves each request one token to prefill.
     """
     from scipy.stats import chi2_contingency
 
@@ -185,7 +184,7 @@ def test_sampled_speculation_is_distribution_exact(unit, tokenizer, rules):
     # first decode step: token 1 is the first one a verification decides (a γ clamp keeps later drafts within
     # max_tokens, so only that step's drafts count)
     tail = tokenizer.encode("apple, banana, cherry, apple, banana, cherry, apple, banana, cherry, apple, banana,")
-    prompt = (tokenizer.encode(PREAMBLE) * 8)[: CPU_KV_BLOCK + 1 - len(tail)] + tail
+    prompt = (tokenizer.encode(PREAMBLE) * CPU_KV_BLOCK)[: CPU_KV_BLOCK + 1 - len(tail)] + tail
     n = 400
     comma, stop = tokenizer.encode(",")[0], tokenizer.encode(".")[0]
     kwargs = {} if rules == "none" else dict(frequency_penalty=1.0, presence_penalty=0.5,
