@@ -233,7 +233,7 @@ class VllmUnit:
         enqueued_t, first_t, last_t, end_t = time.perf_counter(), None, None, None
         tokens: list[int] = []
         reason, error, final, worker = "abort", None, [], {}
-        attempt, resumes = request, 0
+        attempt, resumes, cleanup = request, 0, None
         try:
             while True:
                 engine = await self._engine()
@@ -273,6 +273,7 @@ class VllmUnit:
                     # up, and the abort (freeing vLLM's KV blocks) and the worker's release must happen all the same.
                     cleanup = asyncio.ensure_future(self._end(engine, stream, rid, take=died is None))
                     worker = await asyncio.shield(cleanup)
+                    cleanup = None
                 if died is None:
                     break
                 resumes += 1
@@ -282,6 +283,21 @@ class VllmUnit:
                     break
                 log.warning("unit %s: engine died under %s after %d tokens; resuming it", self.unit, rid, len(tokens))
                 attempt = _resumed(request, tokens, left)
+        except (asyncio.CancelledError, GeneratorExit):
+            # The consumer went away: no final chunk, but the end work still runs once the cleanup is done (the
+            # record to the observer; the released ledger reported to the authority when the unit is idle).
+            async def abandoned(cleanup=cleanup, worker=worker):
+                worker = worker if cleanup is None else await cleanup
+                now = time.perf_counter()
+                timing = {**dict.fromkeys(("queue", "prefill", *ROUND_PARTS)), "end": now - (last_t or enqueued_t),
+                          "decode": (last_t or enqueued_t) - first_t if first_t is not None else None}
+                record = self._record(request, worker, tokens, started, first, reason, timing)
+                if record.degraded:
+                    await self._recover_drafter()
+                return record, now
+
+            self._after(abandoned())
+            raise
         finally:
             self._inflight.discard(rid)
         now, last = time.perf_counter(), last_t or enqueued_t
@@ -290,14 +306,17 @@ class VllmUnit:
         record = self._record(request, worker, tokens, started, first, reason, timing)
         if record.degraded:
             await self._recover_drafter()
-        self._after(record, now)
+        self._after(_ready(record, now))
         yield GenerationChunk(final, finish_reason=reason, record=record, error=error,
                               logprobs=None if n is None else [])
 
-    def _after(self, record: RequestRecord, since: float) -> None:
-        """After the final message, the end work no client waits for: going idle, the worker's observations reach
-        the authority; then the record goes to the observer (with its `end_deferred`)."""
-        async def after(engine):
+    def _after(self, ending) -> None:
+        """After the final message (or the consumer's leaving), the end work no client waits for: going idle, the
+        worker's observations reach the authority; then the record goes to the observer (with its
+        `end_deferred`). `ending` awaits (the record, the `perf_counter` its end work is timed from)."""
+        async def after():
+            record, since = await ending
+            engine = None if self._inflight else self.engine
             if engine is not None:
                 try:
                     await asyncio.wait_for(engine.collective_rpc("specserve_flush"), RECORD_TIMEOUT_S)
@@ -306,7 +325,7 @@ class VllmUnit:
             self.observer.on_request(replace(record, timing_s={**record.timing_s,
                                                                END_DEFERRED: time.perf_counter() - since}))
 
-        task = asyncio.ensure_future(after(None if self._inflight else self.engine))
+        task = asyncio.ensure_future(after())
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
 
@@ -372,6 +391,10 @@ class VllmUnit:
             self.engine.shutdown()
             self.engine = None
             self._kill_drafter()
+
+
+async def _ready(record: RequestRecord, now: float) -> tuple[RequestRecord, float]:
+    return record, now
 
 
 def _refusal(request: GenerationRequest, err: Exception) -> str:

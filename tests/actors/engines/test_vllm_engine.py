@@ -24,6 +24,7 @@ require_vllm_or_skip()
 from actors.drafting import DrafterSetup  # noqa: E402
 from actors.engines.vllm.unit import EngineStartError, VllmUnit
 from actors.setup import TargetSetup  # noqa: E402
+from actors.stats import NullObserver, RequestRecord  # noqa: E402
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams  # noqa: E402
 from policies.asd import ASDConfig  # noqa: E402
 
@@ -208,11 +209,22 @@ def test_sampled_speculation_is_distribution_exact(unit, tokenizer, rules):
     assert p_value > 1e-3, (p_value, table)
 
 
-def test_nothing_is_left_behind_and_kv_blocks_return(unit, tokenizer):
+class Records(NullObserver):
+    def __init__(self):
+        self.requests: list[RequestRecord] = []
+
+    def on_request(self, record: RequestRecord) -> None:
+        self.requests.append(record)
+
+
+def test_nothing_is_left_behind_and_kv_blocks_return(unit, tokenizer, monkeypatch):
     """After requests finish, are aborted mid-stream, or are dropped by the consumer: no record, ledger or
-    drafter state in the worker, and every KV block is free again (read from vLLM's block pool)."""
+    drafter state in the worker, and every KV block is free again (read from vLLM's block pool). A dropped
+    stream's record still reaches the observer, as an abort with the tokens it streamed."""
     ps = prompts(tokenizer)
     asd = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=8.0))
+    observed = Records()
+    monkeypatch.setattr(unit, "observer", observed)
 
     async def scenario():
         idle = await unit.kv_stats()  # vLLM's pool keeps one null block: idle is total - 1 free
@@ -231,10 +243,15 @@ def test_nothing_is_left_behind_and_kv_blocks_return(unit, tokenizer):
             if kv["free_blocks"] == idle["free_blocks"] and not kv["running"]:
                 break
             await asyncio.sleep(0.1)
+        await unit.stats()  # waits for the requests' end work
         return idle, aborted, kv, await unit.worker_state()
 
     idle, aborted, kv, worker = unit.run_sync(scenario())
     assert aborted[1] == "abort" and aborted[2] is not None
+    dropped = [r for r in observed.requests if r.request_id == "drop"]
+    assert len(dropped) == 1 and dropped[0].finish_reason == "abort" and dropped[0].output_tokens >= 1
+    assert dropped[0].arm == "asd" and dropped[0].regret_budget == 8.0
+    assert sorted(r.request_id for r in observed.requests) == sorted(["drop", "abort", *(f"f{i}" for i in range(5))])
     assert idle["free_blocks"] >= idle["total_blocks"] - 1
     assert kv["free_blocks"] == idle["free_blocks"] and kv["running"] == kv["waiting"] == 0
     assert worker == {"requests": [], "ledgers": [], "drafter": []}
