@@ -234,6 +234,18 @@ class VllmUnit:
         tokens: list[int] = []
         reason, error, final, worker = "abort", None, [], {}
         attempt, resumes, cleanup = request, 0, None
+
+        async def finished(worker: dict[str, Any], end_t: float | None = None) -> tuple[RequestRecord, float]:
+            now, last = time.perf_counter(), last_t or enqueued_t  # the record, and when its end work starts
+            timing = {**dict.fromkeys(("queue", "prefill", *ROUND_PARTS)), "end": now - (end_t or last),
+                      "decode": last - first_t if first_t is not None else None}
+            book = RequestBook.restore(request, worker, started_s=started, first_token_s=first)
+            record = book.record(unit=self.unit, finish_reason=reason, output_tokens=len(tokens),
+                                 finished_s=time.time(), timing_s=timing)
+            if record.degraded:
+                await self._recover_drafter()
+            return record, now
+
         try:
             while True:
                 engine = await self._engine()
@@ -284,36 +296,23 @@ class VllmUnit:
                 log.warning("unit %s: engine died under %s after %d tokens; resuming it", self.unit, rid, len(tokens))
                 attempt = _resumed(request, tokens, left)
         except (asyncio.CancelledError, GeneratorExit):
-            # The consumer went away: no final chunk, but the end work still runs once the cleanup is done (the
-            # record to the observer; the released ledger reported to the authority when the unit is idle).
+            # The consumer went away: no final chunk, but the same end work once the cleanup is done (the record to
+            # the observer, as an abort; the released ledger reported to the authority when the unit is idle).
             async def abandoned(cleanup=cleanup, worker=worker):
-                worker = worker if cleanup is None else await cleanup
-                now = time.perf_counter()
-                timing = {**dict.fromkeys(("queue", "prefill", *ROUND_PARTS)), "end": now - (last_t or enqueued_t),
-                          "decode": (last_t or enqueued_t) - first_t if first_t is not None else None}
-                record = self._record(request, worker, tokens, started, first, reason, timing)
-                if record.degraded:
-                    await self._recover_drafter()
-                return record, now
+                return await finished(worker if cleanup is None else await cleanup)
 
             self._after(abandoned())
             raise
         finally:
             self._inflight.discard(rid)
-        now, last = time.perf_counter(), last_t or enqueued_t
-        timing = {**dict.fromkeys(("queue", "prefill", *ROUND_PARTS)), "end": now - (end_t or last),
-                  "decode": last - first_t if first_t is not None else None}
-        record = self._record(request, worker, tokens, started, first, reason, timing)
-        if record.degraded:
-            await self._recover_drafter()
-        self._after(_ready(record, now))
+        record, now = await finished(worker, end_t)
+        self._after(asyncio.sleep(0, (record, now)))  # ready now
         yield GenerationChunk(final, finish_reason=reason, record=record, error=error,
                               logprobs=None if n is None else [])
 
     def _after(self, ending) -> None:
-        """After the final message (or the consumer's leaving), the end work no client waits for: going idle, the
-        worker's observations reach the authority; then the record goes to the observer (with its
-        `end_deferred`). `ending` awaits (the record, the `perf_counter` its end work is timed from)."""
+        """The end work no client waits for, once `ending` gives (the record, the time its end work started): an
+        idle unit flushes the worker's reports to the authority; the record goes to the observer."""
         async def after():
             record, since = await ending
             engine = None if self._inflight else self.engine
@@ -331,19 +330,18 @@ class VllmUnit:
 
     async def _end(self, engine, stream, rid: str, *, take: bool) -> dict[str, Any]:
         """Close vLLM's stream (a no-op after its end; before it, vLLM aborts the request and frees its KV
-        blocks), then take the worker's record (which releases the request's drafter state and ledger)."""
+        blocks), then take the worker's record, which releases the request's drafter state and ledger ({} if
+        it cannot be read: the request is over either way)."""
         try:
             await stream.aclose()
         except Exception as err:  # noqa: BLE001 - a dead engine: nothing left to free there
             log.warning("unit %s: closing %s: %s", self.unit, rid, err)
-        return await self._take(engine, rid) if take else {}
-
-    async def _take(self, engine, rid: str) -> dict[str, Any]:
-        """The worker's record of a finished request (and the worker forgets it); {} if it cannot be read."""
+        if not take:  # a dead engine: its worker's books went with it
+            return {}
         try:
             taken = await asyncio.wait_for(engine.collective_rpc("specserve_take", args=([rid],)), RECORD_TIMEOUT_S)
             return taken[0].get(rid, {})
-        except Exception as err:  # noqa: BLE001 - the request is over either way
+        except Exception as err:  # noqa: BLE001
             log.warning("unit %s: no record for %s (%s)", self.unit, rid, err)
             return {}
 
@@ -357,12 +355,6 @@ class VllmUnit:
         return vllm_params(request, stops=self._stops(request), vocab_size=self.vocab_size,
                            speculate=request.speculate and self.drafter_setup.kind != "none",
                            native_bias=self.drafter_setup.kind == "none")
-
-    def _record(self, request: GenerationRequest, worker: dict[str, Any], tokens: list[int], started: float,
-                first: float | None, reason: str, timing: dict[str, float | None]) -> RequestRecord:
-        book = RequestBook.restore(request, worker, started_s=started, first_token_s=first)
-        return book.record(unit=self.unit, finish_reason=reason, output_tokens=len(tokens), finished_s=time.time(),
-                           timing_s=timing)
 
     # --- synchronous helpers (CLI, benchmarks, tests) --------------------------------------------------------
     def run_sync(self, coro):
@@ -382,19 +374,9 @@ class VllmUnit:
         return self.generate_many_sync([request])[0]
 
     def close_sync(self) -> None:
-        if self._loop is not None:
-            self.run_sync(self.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop = None
-        elif self.engine is not None:
-            self._closed = True
-            self.engine.shutdown()
-            self.engine = None
-            self._kill_drafter()
-
-
-async def _ready(record: RequestRecord, now: float) -> tuple[RequestRecord, float]:
-    return record, now
+        self.run_sync(self.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop = None
 
 
 def _refusal(request: GenerationRequest, err: Exception) -> str:
