@@ -12,6 +12,7 @@ from actors.engines.native.engine import Engine
 from actors.engines.native import load_model
 from actors.engines.native.packed import can_pack
 from actors.policy import PolicyCore
+from bench.harness import RoundCollector
 from policies.asd import ASDConfig
 
 from tests.conftest import REPETITIVE_PROMPTS, save_tiny_llama
@@ -252,17 +253,6 @@ class _SlowRelease:
         self.released_at.update((rid, time.perf_counter()) for rid in seq_ids)
 
 
-class _Records:
-    def __init__(self):
-        self.requests = []
-
-    def on_round(self, record):
-        pass
-
-    def on_request(self, record):
-        self.requests.append(record)
-
-
 def test_timing_hops_partition_the_request_and_its_end_follows_the_answer(tiny):
     """`usage.speculative.timing_s` from the unit: non-negative hops within the request's time; the first token
     leaves before the next forward, the final message before the caches are freed, `stats` waits for that, and
@@ -270,7 +260,7 @@ def test_timing_hops_partition_the_request_and_its_end_follows_the_answer(tiny):
     from actors.requests import collect
     from actors.timing import END_DEFERRED, ROUND_PARTS
 
-    observer = _Records()
+    observer = RoundCollector()
     coord = unit(tiny[0], NgramDrafter(1, 3), observer=observer)
     coord.target = _SlowRelease(coord.target)
 

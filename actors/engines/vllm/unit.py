@@ -285,7 +285,6 @@ class VllmUnit:
                     # up, and the abort (freeing vLLM's KV blocks) and the worker's release must happen all the same.
                     cleanup = asyncio.ensure_future(self._end(engine, stream, rid, take=died is None))
                     worker = await asyncio.shield(cleanup)
-                    cleanup = None
                 if died is None:
                     break
                 resumes += 1
@@ -298,7 +297,7 @@ class VllmUnit:
         except (asyncio.CancelledError, GeneratorExit):
             # The consumer went away: no final chunk, but the same end work once the cleanup is done (the record to
             # the observer, as an abort; the released ledger reported to the authority when the unit is idle).
-            async def abandoned(cleanup=cleanup, worker=worker):
+            async def abandoned():  # the last cleanup may still run; once done, it gave `worker`
                 return await finished(worker if cleanup is None else await cleanup)
 
             self._after(abandoned())

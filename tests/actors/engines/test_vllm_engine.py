@@ -24,8 +24,8 @@ require_vllm_or_skip()
 from actors.drafting import DrafterSetup  # noqa: E402
 from actors.engines.vllm.unit import EngineStartError, VllmUnit
 from actors.setup import TargetSetup  # noqa: E402
-from actors.stats import NullObserver, RequestRecord  # noqa: E402
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams  # noqa: E402
+from bench.harness import RoundCollector  # noqa: E402
 from policies.asd import ASDConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -209,21 +209,13 @@ def test_sampled_speculation_is_distribution_exact(unit, tokenizer, rules):
     assert p_value > 1e-3, (p_value, table)
 
 
-class Records(NullObserver):
-    def __init__(self):
-        self.requests: list[RequestRecord] = []
-
-    def on_request(self, record: RequestRecord) -> None:
-        self.requests.append(record)
-
-
 def test_nothing_is_left_behind_and_kv_blocks_return(unit, tokenizer, monkeypatch):
     """After requests finish, are aborted mid-stream, or are dropped by the consumer: no record, ledger or
     drafter state in the worker, and every KV block is free again (read from vLLM's block pool). A dropped
     stream's record still reaches the observer, as an abort with the tokens it streamed."""
     ps = prompts(tokenizer)
     asd = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=8.0))
-    observed = Records()
+    observed = RoundCollector()
     monkeypatch.setattr(unit, "observer", observed)
 
     async def scenario():
