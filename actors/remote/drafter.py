@@ -8,6 +8,7 @@ old one is gone for good.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -19,6 +20,8 @@ from actors.contracts import DraftBatch, DraftRequest
 from actors.drafting import DrafterSetup, make_drafter
 
 log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 30.0  # a drafter's own close (a vLLM engine's shutdown) before its actor is killed
 
 
 class DrafterHost:
@@ -39,6 +42,13 @@ class DrafterHost:
 
     def active_ids(self) -> list[str]:
         return self.drafter.active_ids()
+
+    def close(self) -> None:
+        """Free what the drafter holds outside this process (a vLLM drafter's engine processes and their shared
+        memory), before the actor is killed."""
+        close = getattr(self.drafter, "close", None)
+        if close is not None:
+            close()
 
 
 def start_drafter_actor(setup: DrafterSetup, max_slots: int, max_seq_len: int | None, torch_threads: int = 1,
@@ -78,6 +88,10 @@ class RemoteDrafter:
             await self.handle.active_ids.remote()
 
     async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.handle.close.remote(), CLOSE_TIMEOUT_S)
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
+            pass  # dead or stuck: the kill below ends it all the same
         ray.kill(self.handle, no_restart=True)
 
 
@@ -160,4 +174,9 @@ def drafter_gone(handle, timeout_s: float = 5.0) -> bool:
 
 
 def kill_drafter(handle) -> None:
+    """End the drafter actor for good, closing its drafter first where it still answers."""
+    try:
+        ray.get(handle.close.remote(), timeout=CLOSE_TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError):
+        pass  # dead or stuck: the kill below ends it all the same
     ray.kill(handle, no_restart=True)

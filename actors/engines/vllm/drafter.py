@@ -51,3 +51,8 @@ class VllmDrafter:
 
     def active_ids(self) -> list[str]:
         return []
+
+    def close(self) -> None:
+        """Shut vLLM's engine processes down through vLLM, which frees their shared memory; a killed actor's
+        engine processes end with it (the parent-death signal) but leave their shared-memory queues behind."""
+        self.llm.llm_engine.engine_core.shutdown()

@@ -155,6 +155,8 @@ class VllmUnit:
         self._closed = True
         if self._rebuild is not None:
             await asyncio.gather(self._rebuild, return_exceptions=True)
+        if self._ending:  # answered requests' records and flushes, before the engine they call is gone
+            await asyncio.wait(list(self._ending), timeout=RECORD_TIMEOUT_S)
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.shutdown()

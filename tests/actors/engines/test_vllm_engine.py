@@ -361,8 +361,15 @@ def test_a_killed_drafter_actor_degrades_to_target_only(model_unit, tokenizer, p
     assert again.token_ids == plain_greedy[0] and not again.record.degraded and again.record.draft_tokens > 0
 
 
+def shared_memory() -> set[str]:
+    """The machine's POSIX shared-memory segments (vLLM's queues between its processes live there)."""
+    return {path.name for path in Path("/dev/shm").iterdir()}
+
+
 def test_a_model_drafter_on_vllm_in_its_own_actor_is_greedy_identical(ray_cluster, tokenizer, plain_greedy):
-    """`drafter.engine: vllm`: the drafter's own actor runs SmolLM2 on vLLM (prefix-cached contexts)."""
+    """`drafter.engine: vllm`: the drafter's own actor runs SmolLM2 on vLLM (prefix-cached contexts). Closing
+    the unit shuts that engine down through vLLM: its processes leave no shared-memory queue behind."""
+    before = shared_memory()
     drafter = DrafterSetup(kind="model", source=SOURCE, engine="vllm", resources={"num_cpus": 0},
                            engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20})
     unit = VllmUnit(unit="test-vllm-vdraft", setup=TargetSetup(SOURCE, max_slots=16, max_seq_len=1024,
@@ -375,6 +382,7 @@ def test_a_model_drafter_on_vllm_in_its_own_actor_is_greedy_identical(ray_cluste
     finally:
         unit.close_sync()
     assert [r.token_ids for r in results] == [g[:n] for g in plain_greedy[:3]]
+    assert shared_memory() <= before
     drafted = sum(r.record.draft_tokens for r in results)
     accepted = sum(r.record.accepted_tokens for r in results)
     # a step whose draft call times out on a loaded machine decodes target-only (degraded), still exact
