@@ -20,6 +20,14 @@ def require_vllm_or_skip() -> None:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
+def shared_memory() -> set[str]:
+    """The machine's POSIX shared-memory segments (vLLM's queues between its processes live there); not the named
+    semaphores ("sem."), which multiprocessing unlinks when their lock is collected, later."""
+    from actors.engines.vllm import SHARED_MEMORY
+
+    return {name for name in os.listdir(SHARED_MEMORY) if not name.startswith("sem.")}
+
+
 def replay_asd_entry(entry: dict):
     """Replay one entry of the worker's ASD log (`specserve_asd_log`) with `verify_asd_scores`, from the ledgers'
     spend before the step; asserts the worker's verdict is the replay's, and returns the replay's `Verdict`."""

@@ -10,7 +10,11 @@ same environment behave as before. How and why: docs/architecture.md, "The vLLM 
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+
+log = logging.getLogger(__name__)
 
 PARENT_DEATH_ENV = "SPECSERVE_VLLM_PARENT_DEATH"  # set for the processes vLLM spawns: they end with their parent
 VLLM_RANGE = (0, 32), (0, 33)  # [lowest, first unsupported): the hooks read vLLM 0.32 internals
@@ -48,3 +52,47 @@ def error_chain(err: BaseException) -> str:
         parts.append(f"{type(err).__name__}: {err}")
         err = err.__cause__ or err.__context__
     return " <- ".join(parts)
+
+
+SHARED_MEMORY = "/dev/shm"
+
+
+class SharedMemoryReport:
+    """Mixed into vLLM's worker: the shared-memory segments its process maps (vLLM's queues, the CPU all-reduce
+    buffers), which the unit unlinks once the engine is shut down (`release_shared_memory`). Named semaphores
+    ("sem.") are left to multiprocessing, which unlinks them when their lock is collected."""
+
+    def specserve_shared_memory(self) -> list[str]:
+        with open("/proc/self/maps") as maps:  # a segment already unlinked is listed "(deleted)": skipped
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if f" {SHARED_MEMORY}/" in line}
+        names = (os.path.basename(path) for path in paths if not path.endswith("(deleted)"))
+        return sorted(name for name in names if not name.startswith("sem."))
+
+
+async def shut_down(engine, timeout_s: float = 30.0) -> list[str]:
+    """Shut vLLM's `AsyncLLM` down, then unlink the shared memory its workers mapped that is still there; returns
+    the names unlinked."""
+    import asyncio
+
+    try:
+        mapped = await asyncio.wait_for(engine.collective_rpc("specserve_shared_memory"), timeout_s)
+    except Exception:  # noqa: BLE001 - a dead engine's workers cannot say; there is nothing to ask
+        mapped = []
+    engine.shutdown()
+    released = release_shared_memory(name for names in mapped for name in names)
+    if released:
+        log.info("vLLM left %d shared-memory segments behind; unlinked: %s", len(released), released)
+    return released
+
+
+def release_shared_memory(names) -> list[str]:
+    """Unlink the named segments of an engine that is shut down; those already gone are skipped. vLLM's Ray
+    executor kills its workers without the teardown that frees them; its multiprocessing workers free them."""
+    released = []
+    for name in set(names):
+        try:
+            os.unlink(os.path.join(SHARED_MEMORY, name))
+            released.append(name)
+        except FileNotFoundError:
+            pass
+    return sorted(released)

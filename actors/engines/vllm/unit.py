@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from actors.bookkeeping import RequestBook
 from actors.drafting import DrafterSetup
+from actors.engines.vllm import shut_down
 from actors.engines.vllm.args import engine_args
 from actors.requests import GenerationChunk, GenerationRequest, GenerationResult, collect
 from actors.stats import LoopObserver, NullObserver, RequestRecord
@@ -159,7 +160,7 @@ class VllmUnit:
             await asyncio.wait(list(self._ending), timeout=RECORD_TIMEOUT_S)
         engine, self.engine = self.engine, None
         if engine is not None:
-            engine.shutdown()
+            await shut_down(engine)
         self._kill_drafter()
 
     async def _recover_drafter(self) -> None:

@@ -22,6 +22,7 @@ import torch
 from actors.bookkeeping import RequestBook
 from actors.contracts import DraftBatch, DraftRequest
 from actors.drafting import DrafterSetup, make_drafter
+from actors.engines.vllm import SharedMemoryReport
 from actors.policy import InProcessLink, PolicyCore, UnitPolicy
 from actors.engines.vllm.sampling import KEY, allowed, worker_request
 from policies import PAD_TOKEN_ID
@@ -375,7 +376,7 @@ class SpecserveProposer:
             return [[] for _ in sampled_token_ids]
 
 
-class SpecserveWorkerExtension:
+class SpecserveWorkerExtension(SharedMemoryReport):
     """Mixed into vLLM's worker (`worker_extension_cls`); called with `collective_rpc` by the unit."""
 
     def specserve_take(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:

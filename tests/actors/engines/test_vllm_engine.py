@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.vllm_support import replay_asd_entry, require_vllm_or_skip
+from tests.vllm_support import replay_asd_entry, require_vllm_or_skip, shared_memory
 
 require_vllm_or_skip()
 
@@ -359,11 +359,6 @@ def test_a_killed_drafter_actor_degrades_to_target_only(model_unit, tokenizer, p
         if not again.record.degraded and again.record.draft_tokens:
             break
     assert again.token_ids == plain_greedy[0] and not again.record.degraded and again.record.draft_tokens > 0
-
-
-def shared_memory() -> set[str]:
-    """The machine's POSIX shared-memory segments (vLLM's queues between its processes live there)."""
-    return {path.name for path in Path("/dev/shm").iterdir()}
 
 
 def test_a_model_drafter_on_vllm_in_its_own_actor_is_greedy_identical(ray_cluster, tokenizer, plain_greedy):

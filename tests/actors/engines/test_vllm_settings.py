@@ -79,3 +79,23 @@ def test_expand_to_tokens_repeats_each_requests_value_over_its_draft_positions()
     top_k = torch.tensor([5, 7, 9, 0])
     assert expand_to_tokens(top_k, cu, 6).tolist() == [5, 5, 9, 9, 9, 0]
     assert expand_to_tokens(top_k, cu, 6).dtype == torch.int64
+
+
+def test_a_shut_down_engines_shared_memory_is_unlinked_and_only_what_is_still_there():
+    """`specserve_shared_memory` lists the segments this process maps (an unlinked one is skipped), and
+    `release_shared_memory` unlinks those still there."""
+    from multiprocessing import shared_memory
+
+    from actors.engines.vllm import SharedMemoryReport, release_shared_memory
+
+    kept, gone = shared_memory.SharedMemory(create=True, size=4096), shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        gone.unlink()
+        mapped = SharedMemoryReport().specserve_shared_memory()
+        assert kept.name in mapped and gone.name not in mapped
+        assert release_shared_memory([kept.name, gone.name, "psm_never_made"]) == [kept.name]
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=kept.name)
+    finally:
+        kept.close()
+        gone.close()
