@@ -88,11 +88,7 @@ class RemoteDrafter:
             await self.handle.active_ids.remote()
 
     async def close(self) -> None:
-        try:
-            await asyncio.wait_for(self.handle.close.remote(), CLOSE_TIMEOUT_S)
-        except (ray.exceptions.RayError, asyncio.TimeoutError):
-            pass  # dead or stuck: the kill below ends it all the same
-        ray.kill(self.handle, no_restart=True)
+        await asyncio.to_thread(kill_drafter, self.handle)
 
 
 class NamedDrafterClient:

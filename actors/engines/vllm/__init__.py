@@ -10,6 +10,7 @@ same environment behave as before. How and why: docs/architecture.md, "The vLLM 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -72,8 +73,6 @@ class SharedMemoryReport:
 async def shut_down(engine, timeout_s: float = 30.0) -> list[str]:
     """Shut vLLM's `AsyncLLM` down, then unlink the shared memory its workers mapped that is still there; returns
     the names unlinked."""
-    import asyncio
-
     try:
         mapped = await asyncio.wait_for(engine.collective_rpc("specserve_shared_memory"), timeout_s)
     except Exception:  # noqa: BLE001 - a dead engine's workers cannot say; there is nothing to ask
@@ -86,8 +85,7 @@ async def shut_down(engine, timeout_s: float = 30.0) -> list[str]:
 
 
 def release_shared_memory(names) -> list[str]:
-    """Unlink the named segments of an engine that is shut down; those already gone are skipped. vLLM's Ray
-    executor kills its workers without the teardown that frees them; its multiprocessing workers free them."""
+    """Unlink the named segments that are still there (of an engine that is shut down); returns those unlinked."""
     released = []
     for name in set(names):
         try:

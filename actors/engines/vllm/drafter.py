@@ -53,6 +53,6 @@ class VllmDrafter:
         return []
 
     def close(self) -> None:
-        """Shut vLLM's engine processes down through vLLM, which frees their shared memory; a killed actor's
-        engine processes end with it (the parent-death signal) but leave their shared-memory queues behind."""
+        """Shut vLLM's engine processes down through vLLM, which frees their shared memory (call before the
+        actor is killed)."""
         self.llm.llm_engine.engine_core.shutdown()

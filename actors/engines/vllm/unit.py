@@ -161,7 +161,7 @@ class VllmUnit:
         engine, self.engine = self.engine, None
         if engine is not None:
             await shut_down(engine)
-        self._kill_drafter()
+        await asyncio.to_thread(self._kill_drafter)  # the drafter's own close may shut a vLLM engine down
 
     async def _recover_drafter(self) -> None:
         """A request saw the model drafter down: replace the actor if it is gone for good (Ray restarts one
