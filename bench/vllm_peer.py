@@ -55,12 +55,15 @@ SPECSERVE = {"specserve": (("specserve_exact", "exact"), ("specserve_asd", "asd"
              "specserve_suffix": (("specserve_suffix_exact", "exact"),),
              "specserve_draft": (("specserve_draft_exact", "exact"),),
              "specserve_actor": (("specserve_actor_exact", "exact"),)}
-# At most five servers at once: specserve's app and four vLLM servers exceeded 24 GiB (Ray's memory monitor
-# killed the app). specserve's servers that the next group also runs keep serving across it.
+# Sized for a 24 GiB machine: specserve's app and four vLLM servers exceeded it, and so did the two draft-model
+# apps with two of vLLM's draft_model servers (each holds the model twice; Ray's memory monitor killed the apps'
+# actors), so the draft groups hold one vLLM server each. specserve's servers that the next group also runs keep
+# serving across it.
 GROUPS = {"ngram": {"specserve": ("specserve", "specserve_native"), "vllm": ("vllm_plain", "vllm_ngram2")},
           "ngram_long": {"specserve": ("specserve", "specserve_native"), "vllm": ("vllm_ngram4", "vllm_ngram8")},
           "suffix": {"specserve": ("specserve", "specserve_native", "specserve_suffix"), "vllm": ("vllm_suffix",)},
-          "draft": {"specserve": ("specserve_draft", "specserve_actor"), "vllm": ("vllm_draft2", "vllm_draft4")},
+          "draft": {"specserve": ("specserve_draft", "specserve_actor"), "vllm": ("vllm_draft2",)},
+          "draft_mid": {"specserve": ("specserve_draft", "specserve_actor"), "vllm": ("vllm_draft4",)},
           "draft_long": {"specserve": ("specserve_draft", "specserve_actor"), "vllm": ("vllm_draft8",)}}
 BENCH_KV_CACHE_BYTES = 1 << 30  # every vLLM engine's paged KV cache (both sides): 32 streams of 2k tokens fit
 READY_TIMEOUT_S = 1800.0  # a first start compiles (~2 min alone on 2 cores; a cold group of four took > 15 min)
@@ -74,6 +77,52 @@ class Server:
     model: str
     process: subprocess.Popen
     headers: dict
+
+
+class MemoryWatch:
+    """The machine's lowest available memory over a run (Linux /proc/meminfo, sampled each second), logged when it
+    falls under `LOW_MEMORY_GIB`: there Ray's memory monitor (95% used) kills the servers' actors, and a figure
+    measured then is not the server's."""
+
+    LOW_MEMORY_GIB = 1.5
+
+    def __init__(self):
+        import threading
+
+        self.min_available_gib: float | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-memory-watch")
+
+    @staticmethod
+    def available_gib() -> float | None:
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / (1 << 20)
+        except OSError:
+            pass
+        return None
+
+    def start(self) -> "MemoryWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        warned = False
+        while not self._stopped.wait(1.0):
+            gib = self.available_gib()
+            if gib is None:
+                return
+            if self.min_available_gib is None or gib < self.min_available_gib:
+                self.min_available_gib = gib
+            if gib < self.LOW_MEMORY_GIB and not warned:
+                warned = True
+                log.warning("only %.1f GiB of memory available: Ray's memory monitor may kill the servers' actors, "
+                            "and this run's figures may not be the servers' (run fewer --groups at once)", gib)
 
 
 def _free_port() -> int:
@@ -294,6 +343,7 @@ def vllm_section(config_path: str, preset: dict, out: Path, groups: tuple[str, .
         return server
 
     cells, ours, peers = {}, {}, []
+    watch = MemoryWatch().start()
     try:
         for group in groups:
             if group == "suffix" and not suffix_available():
@@ -316,9 +366,12 @@ def vllm_section(config_path: str, preset: dict, out: Path, groups: tuple[str, .
             while peers:
                 _stop(peers.pop())
     finally:
+        watch.stop()
         for server in peers + list(ours.values()):
             _stop(server)
-    return results(cells, preset)
+    measured = results(cells, preset)
+    measured["min_available_gib"] = watch.min_available_gib
+    return measured
 
 
 def main_section(args, command: str) -> int:
@@ -344,7 +397,8 @@ def main_section(args, command: str) -> int:
         log.error("error: %s", err)
         return 2
     measured["meta"] = {"command": command, "started": started, "config": config, "groups": groups,
-                       "preset": preset, "elapsed_s": time.monotonic() - t0}
+                       "preset": preset, "elapsed_s": time.monotonic() - t0,
+                        "min_available_gib": measured.pop("min_available_gib")}
     (out / "results.json").write_text(json.dumps(measured, indent=1))
     (out / "report.md").write_text(report_markdown(measured))
     for name in ("vs_vllm", "vs_vllm_native", "vs_vllm_suffix", "vs_vllm_draft"):

@@ -99,10 +99,13 @@ def report_markdown(results: dict) -> str:
     meta, rows = results["meta"], results["rows"]
     lines = ["# specserve vs vLLM's own server", "",
              f"- command: `{meta['command']}`", f"- started {meta['started']}, took {meta['elapsed_s']:.0f} s",
-             f"- preset: {json.dumps(meta['preset'])}", "",
-             "Output tokens/s, greedy `/v1/completions`, waves of N requests; the fastest repeat of each cell, with "
-             "the acceptance of its drafts in parentheses. Servers run in groups (memory); a group's targets are "
-             "measured interleaved, and every ratio divides two figures of one group.", ""]
+             f"- preset: {json.dumps(meta['preset'])}"]
+    if meta.get("min_available_gib") is not None:
+        lines.append(f"- lowest available memory during the run: {meta['min_available_gib']:.1f} GiB")
+    lines += ["",
+              "Output tokens/s, greedy `/v1/completions`, waves of N requests; the fastest repeat of each cell, with "
+              "the acceptance of its drafts in parentheses. Servers run in groups (memory); a group's targets are "
+              "measured interleaved, and every ratio divides two figures of one group.", ""]
     for group in rows[0]["tokens_per_s"]:
         labels = [c for c in COLUMNS if c in rows[0]["tokens_per_s"][group]]
         lines += [f"## Group `{group}`", "", "| workload | N | " + " | ".join(COLUMNS[c] for c in labels) + " |",

@@ -9,8 +9,8 @@ import json
 import pytest
 import yaml
 
-from bench.vllm_peer import (BENCH_KV_CACHE_BYTES, GROUPS, SPECSERVE, VLLM_PEERS, _vllm_command, specserve_variants,
-                             vllm_section)
+from bench.vllm_peer import (BENCH_KV_CACHE_BYTES, GROUPS, SPECSERVE, VLLM_PEERS, MemoryWatch, _vllm_command,
+                             specserve_variants, vllm_section)
 from bench.vllm_report import report_markdown
 from bench.vllm_report import results as _results
 from cluster.config import load_config, parse_config
@@ -110,6 +110,16 @@ def test_a_partial_run_reports_what_it_measured_only():
     # without vLLM plain, texts are compared with the group's first vLLM server, which the key names
     assert out["rows"][0]["greedy_text_agreement"] == {"draft/specserve_draft_exact vs vllm_draft2": 1.0,
                                                        "draft/specserve_actor_exact vs vllm_draft2": 1.0}
-    out["meta"] = {"command": "c", "started": "now", "elapsed_s": 1.0, "preset": {}}
-    assert "| workload | N | vs_vllm_draft | draft in worker / actor (s per step) | greedy texts agree |" in (
-        report_markdown(out))
+    out["meta"] = {"command": "c", "started": "now", "elapsed_s": 1.0, "preset": {}, "min_available_gib": 1.25}
+    report = report_markdown(out)
+    assert "| workload | N | vs_vllm_draft | draft in worker / actor (s per step) | greedy texts agree |" in report
+    assert "- lowest available memory during the run: 1.2 GiB" in report
+
+
+def test_the_memory_watch_records_the_runs_lowest_available_memory():
+    import time
+
+    watch = MemoryWatch().start()
+    time.sleep(1.2)
+    watch.stop()
+    assert 0 < watch.min_available_gib <= MemoryWatch.available_gib() + 1.0  # sampled at least once, in GiB
