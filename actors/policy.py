@@ -35,10 +35,11 @@ SYNC_TIMEOUT_S = 10.0  # `UnitPolicy.synced` / `flush(wait=True)`: how long to w
 
 
 def gamma_policy(*, gamma_max: int = 8, gamma_min: int = 0, prior_alpha: float = 0.6, draft_cost: float = 0.05,
-                 fixed_gamma: int | None = None, batch_plan: bool = True) -> GammaPolicy:
-    """The `GammaPolicy` of the policy settings every unit and the authority share."""
+                 fixed_gamma: int | None = None, batch_plan: bool = True, draft_floor: bool = False) -> GammaPolicy:
+    """The `GammaPolicy` of the policy settings every unit and the authority share (`draft_floor`: the unit's
+    drafter runs every round, as vLLM's own proposers do)."""
     return GammaPolicy(gamma_max=gamma_max, gamma_min=gamma_min, prior_alpha=prior_alpha, draft_cost=draft_cost,
-                       fixed_gamma=fixed_gamma, batch_plan=batch_plan)
+                       fixed_gamma=fixed_gamma, batch_plan=batch_plan, draft_floor=draft_floor)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,12 @@ class GammaPolicy:
     `explore=False` turns this off. `gamma_min` is a floor on every choice (set it ≥ 1 to always speculate).
     `fixed_gamma` returns one γ always.
 
+    Drafter floor. With `draft_floor`, the drafter runs one step every round, γ = 0 included (vLLM's own
+    proposers, which keep their KV cache in step with the target's), so a plain round costs 1 + c: c and v(γ)
+    (γ ≥ 1) are then priced relative to that round, c / (1 + c) and v(γ) / (1 + c), and a low α no longer
+    turns speculation off by itself (the drafter's step is paid either way). Its costs are measured as without
+    the floor: c the drafter's step, v the target's scoring alone.
+
     Steps. `plan_step` cuts a batched step's γs (or drafts) to what pays for the step as a whole
     (`policies.batch_plan`); `batch_plan=False` keeps the per-row choices.
 
@@ -141,6 +147,7 @@ class GammaPolicy:
         fixed_gamma: int | None = None,
         explore: bool = True,
         batch_plan: bool = True,
+        draft_floor: bool = False,
     ) -> None:
         _check_gamma("gamma_max", gamma_max)
         _check_gamma("gamma_min", gamma_min)
@@ -171,6 +178,7 @@ class GammaPolicy:
         self.fixed_gamma = fixed_gamma
         self.explore = explore
         self.batch_plan = batch_plan
+        self.draft_floor = draft_floor
         self._plain_steps = 0  # consecutive planned steps that drafted nothing (probes wait for probe_interval)
         self.costs = CostModel(default_draft_cost=draft_cost, decay=cost_decay)
         self._arms: dict[str, Acceptance] = {}
@@ -245,12 +253,19 @@ class GammaPolicy:
         return counted if state.draft_alpha is None else max(state.draft_alpha, counted)
 
     def verify_cost(self, batch_size: int) -> list[float]:
-        """v(γ) for γ = 0..gamma_max at this batch size (v(0) = 1)."""
-        return self.costs.verify_cost(batch_size, self.gamma_max)
+        """v(γ) for γ = 0..gamma_max at this batch size, relative to a plain round (v(0) = 1; with
+        `draft_floor` a plain round includes the drafter's step)."""
+        v = self.costs.verify_cost(batch_size, self.gamma_max)
+        if not self.draft_floor:
+            return v
+        plain = 1.0 + self.costs.draft_cost(batch_size)
+        return [1.0] + [x / plain for x in v[1:]]
 
     def draft_cost(self, batch_size: int) -> float:
-        """c: one drafter step relative to one target step at this batch size."""
-        return self.costs.draft_cost(batch_size)
+        """c: one drafter step relative to a plain round at this batch size (one target step; with
+        `draft_floor`, one target step and one drafter step)."""
+        c = self.costs.draft_cost(batch_size)
+        return c / (1.0 + c) if self.draft_floor else c
 
     def choose(self, request_id: str, arm: str, batch_size: int) -> int:
         """γ for the next round of this request, given how many rows the round will batch."""
@@ -259,7 +274,7 @@ class GammaPolicy:
         alpha = self.alpha(request_id, arm)
         c = self.draft_cost(batch_size)
         verify_cost = self.verify_cost(batch_size)
-        gamma = 0 if alpha <= c else best_gamma(alpha, c, self.gamma_max, verify_cost)
+        gamma = 0 if alpha <= c and not self.draft_floor else best_gamma(alpha, c, self.gamma_max, verify_cost)
         state = self._requests.get(request_id)
         if gamma == 0 and state is not None and self.probe_interval is not None:
             if state.plain_streak >= self.probe_interval and self.gamma_max >= 1:

@@ -181,6 +181,30 @@ def test_costs_are_exponentially_weighted():
     assert policy.verify_cost(1)[1] == pytest.approx(2.0)
 
 
+def test_a_drafter_that_runs_every_round_is_priced_into_the_plain_round():
+    """`draft_floor` (vLLM's own proposers): a plain round pays the drafter's step too, so with a drafter as dear
+    as the target (c = 1) drafting still pays, and the cheapest γ per token wins: scoring n tokens costs
+    0.9 + 0.1 n s, a drafter step 1 s; at α = 1, γ costs γ + 1 + 0.1 γ s for γ + 1 tokens against 2 s for 1."""
+    costs = dict(draft_step_s=1.0, score_s_by_tokens={1: 1.0, 3: 1.2, 9: 1.8})
+    plain, floor = GammaPolicy(gamma_max=8, prior_alpha=1.0), GammaPolicy(gamma_max=8, prior_alpha=1.0,
+                                                                          draft_floor=True)
+    for policy in (plain, floor):
+        policy.observe_costs(1, **costs)
+    assert plain.draft_cost(1) == pytest.approx(1.0) and plain.choose("r", "arm", 1) == 0  # α ≤ c: never pays
+    assert floor.draft_cost(1) == pytest.approx(0.5)  # relative to a plain round of 2 s
+    assert floor.verify_cost(1)[:3] == pytest.approx([1.0, 1.1 / 2, 1.2 / 2])
+    speedups = {g: expected_speedup(1.0, g, floor.draft_cost(1), floor.verify_cost(1)) for g in range(1, 9)}
+    assert speedups[1] == pytest.approx(2 * 2 / 2.1) and max(speedups, key=speedups.get) == 1
+    assert floor.choose("r", "arm", 1) == 1
+    for _ in range(5):  # fully accepted blocks: exploring a longer one does not pay here
+        floor.observe("r", "arm", 1, 1)
+    assert floor.choose("r", "arm", 1) == 1
+    # a cheap drafter (c = 0.05) and flat scoring: the floor changes little, the longest block pays
+    cheap = GammaPolicy(gamma_max=8, prior_alpha=1.0, draft_floor=True)
+    cheap.observe_costs(1, draft_step_s=0.05, score_s_by_tokens={1: 1.0, 9: 1.0})
+    assert cheap.choose("r", "arm", 1) == 8
+
+
 def test_fixed_gamma_and_floor():
     assert GammaPolicy.fixed(3).choose("r", "arm", 8) == 3
     assert GammaPolicy(fixed_gamma=0).choose("r", "arm", 8) == 0

@@ -38,12 +38,13 @@ _PRUNE_AT = 4096  # books of requests vLLM no longer holds are dropped past this
 def _policy(settings: dict[str, Any], rank0: bool) -> UnitPolicy:
     """Rank 0 reports to the app's policy actor when the unit runs on Ray; otherwise an authority in-process."""
     where = settings.get("policy_actor")
+    # vLLM's own proposer runs every step, a plain one included: the policy prices that floor
+    policy = {**settings["policy"], "draft_floor": True} if settings.get("vllm_proposer") else settings["policy"]
     if where and rank0:
         from actors.remote.policy import policy_from_outside
 
-        return policy_from_outside(where, unit=settings.get("unit", "vllm"), **settings["policy"])
-    return UnitPolicy(InProcessLink(PolicyCore(**settings["policy"])), unit=settings.get("unit", "vllm"),
-                      **settings["policy"])
+        return policy_from_outside(where, unit=settings.get("unit", "vllm"), **policy)
+    return UnitPolicy(InProcessLink(PolicyCore(**policy)), unit=settings.get("unit", "vllm"), **policy)
 
 
 class WorkerState:
@@ -171,9 +172,10 @@ class WorkerState:
         self._end_round(rows, [self._gammas.get(r, 0) for r in req_ids[: len(tokens)]])
 
     def drafted(self, seconds: float) -> None:
-        """Kind 'vllm': vLLM's proposer took `seconds` for `draft_len` steps. With none, its pass over the step's
-        tokens (which keeps its KV cache in step with the target's) is a fixed cost of the step, not c's."""
-        self._last_draft_s, self._last_draft_steps = (seconds, self.draft_len) if self.draft_len else (0.0, 0)
+        """Kind 'vllm': vLLM's proposer took `seconds` for `draft_len` steps. With none it still made one pass over
+        the step's tokens (which keeps its KV cache in step with the target's): one drafter step, which the
+        policy's `draft_floor` prices into a plain round, so the target's own scoring is what v(0) measures."""
+        self._last_draft_s, self._last_draft_steps = seconds, max(1, self.draft_len)
 
     def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
         """Kind 'vllm': each row's drafts cut to its γ and before the first token its rules ban (rows specserve
