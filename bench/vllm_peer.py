@@ -80,9 +80,9 @@ class Server:
 
 
 class MemoryWatch:
-    """The machine's lowest available memory over a run (Linux /proc/meminfo, sampled each second), logged when it
-    falls under `LOW_MEMORY_GIB`: there Ray's memory monitor (95% used) kills the servers' actors, and a figure
-    measured then is not the server's."""
+    """The machine's lowest available memory over a run (Linux /proc/meminfo, sampled each second; started at
+    once), logged when it falls under `LOW_MEMORY_GIB`: there Ray's memory monitor (95% used) kills the servers'
+    actors, and a figure measured then is not the server's."""
 
     LOW_MEMORY_GIB = 1.5
 
@@ -92,37 +92,27 @@ class MemoryWatch:
         self.min_available_gib: float | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="bench-memory-watch")
+        self._thread.start()
 
     @staticmethod
     def available_gib() -> float | None:
         try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / (1 << 20)
-        except OSError:
-            pass
-        return None
-
-    def start(self) -> "MemoryWatch":
-        self._thread.start()
-        return self
+            line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+            return int(line.split()[1]) / (1 << 20)
+        except (OSError, StopIteration):
+            return None
 
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        warned = False
-        while not self._stopped.wait(1.0):
-            gib = self.available_gib()
-            if gib is None:
-                return
-            if self.min_available_gib is None or gib < self.min_available_gib:
-                self.min_available_gib = gib
+        while not self._stopped.wait(1.0) and (gib := self.available_gib()) is not None:
+            warned = self.min_available_gib is not None and self.min_available_gib < self.LOW_MEMORY_GIB
             if gib < self.LOW_MEMORY_GIB and not warned:
-                warned = True
                 log.warning("only %.1f GiB of memory available: Ray's memory monitor may kill the servers' actors, "
                             "and this run's figures may not be the servers' (run fewer --groups at once)", gib)
+            self.min_available_gib = gib if self.min_available_gib is None else min(self.min_available_gib, gib)
 
 
 def _free_port() -> int:
@@ -343,7 +333,7 @@ def vllm_section(config_path: str, preset: dict, out: Path, groups: tuple[str, .
         return server
 
     cells, ours, peers = {}, {}, []
-    watch = MemoryWatch().start()
+    watch = MemoryWatch()
     try:
         for group in groups:
             if group == "suffix" and not suffix_available():

@@ -119,7 +119,7 @@ def test_a_partial_run_reports_what_it_measured_only():
 def test_the_memory_watch_records_the_runs_lowest_available_memory():
     import time
 
-    watch = MemoryWatch().start()
+    watch = MemoryWatch()
     time.sleep(1.2)
     watch.stop()
     assert 0 < watch.min_available_gib <= MemoryWatch.available_gib() + 1.0  # sampled at least once, in GiB

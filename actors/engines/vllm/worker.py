@@ -36,9 +36,9 @@ _PRUNE_AT = 4096  # books of requests vLLM no longer holds are dropped past this
 
 
 def _policy(settings: dict[str, Any], rank0: bool) -> UnitPolicy:
-    """Rank 0 reports to the app's policy actor when the unit runs on Ray; otherwise an authority in-process."""
+    """Rank 0 reports to the app's policy actor on Ray, else to one in-process; vLLM's own proposer runs every
+    step, so its policy prices that floor (`draft_floor`)."""
     where = settings.get("policy_actor")
-    # vLLM's own proposer runs every step, a plain one included: the policy prices that floor
     policy = {**settings["policy"], "draft_floor": True} if settings.get("vllm_proposer") else settings["policy"]
     if where and rank0:
         from actors.remote.policy import policy_from_outside
@@ -71,8 +71,7 @@ class WorkerState:
         self._drafted: dict[str, tuple[int, tuple]] = {}  # rid -> (γ, (confidence, match_len)) of the running step
         self.runner = None  # vLLM's model runner, set by plugin.register's hook before the first propose
         self._last_step_t: float | None = None
-        self._last_draft_s = 0.0
-        self._last_draft_steps = 0  # sequential drafter steps behind `_last_draft_s`
+        self._last_draft_s, self._last_draft_steps = 0.0, 0  # the last proposer call, and its sequential steps
         self._last_score_tokens = 1
         self._gammas: dict[str, int] = {}  # kind vllm: vLLM's internal id -> γ of the step being drafted
         self.draft_len = 0  # kind vllm: the step's draft length (the largest γ)
@@ -172,9 +171,8 @@ class WorkerState:
         self._end_round(rows, [self._gammas.get(r, 0) for r in req_ids[: len(tokens)]])
 
     def drafted(self, seconds: float) -> None:
-        """Kind 'vllm': vLLM's proposer took `seconds` for `draft_len` steps. With none it still made one pass over
-        the step's tokens (which keeps its KV cache in step with the target's): one drafter step, which the
-        policy's `draft_floor` prices into a plain round, so the target's own scoring is what v(0) measures."""
+        """Kind 'vllm': vLLM's proposer took `seconds` for `draft_len` steps; with none, its one pass over the step's
+        tokens (keeping its KV cache in step) is one drafter step (`draft_floor`), so v(0) is the target's alone."""
         self._last_draft_s, self._last_draft_steps = seconds, max(1, self.draft_len)
 
     def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
