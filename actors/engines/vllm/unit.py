@@ -208,8 +208,7 @@ class VllmUnit:
 
     async def stats(self) -> dict[str, Any]:
         """What the unit holds: active requests, the worker's live books, ledgers and drafter state, vLLM's KV."""
-        if self._ending:  # answered requests: their end work runs after the answer
-            await asyncio.gather(*list(self._ending), return_exceptions=True)
+        await asyncio.gather(*list(self._ending), return_exceptions=True)  # answered requests' end work
         worker, kv = await self.worker_state(), await self.kv_stats()
         return {"unit": self.unit, "active_requests": self.active_requests(), "target_sequences": worker["requests"],
                 "drafter_sequences": worker["drafter"], "open_ledgers": worker["ledgers"], "kv": kv}
@@ -367,8 +366,10 @@ class VllmUnit:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def generate_many_sync(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        async def many():
-            return await asyncio.gather(*(collect(self.generate(r)) for r in requests))
+        async def many():  # the results, once their end work is done too (each record reaches the observer)
+            results = await asyncio.gather(*(collect(self.generate(r)) for r in requests))
+            await asyncio.gather(*list(self._ending), return_exceptions=True)
+            return results
 
         return self.run_sync(many())
 
