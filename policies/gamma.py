@@ -112,8 +112,9 @@ class GammaPolicy:
     is short because a probe is cheap (scoring 2 tokens costs little more than one decode step) and requests
     are short: a request shorter than the interval that starts plain (its arm's α is low, or an early cost
     sample was slow) would never draft. After a fully accepted block, a speculating request's γ is at least
-    `explore_gamma` of it (doubling while that pays), so a verbatim stretch reaches γ_max in a few rounds;
-    `explore=False` turns this off. `gamma_min` is a floor on every choice (set it ≥ 1 to always speculate).
+    `explore_gamma` of it (doubling while that pays), so a verbatim stretch reaches γ_max in a few rounds,
+    but never more than the γ that pays best at α = 1 (when the costs changed since the block was chosen, a
+    fully accepted run would otherwise hold a γ its costs no longer pay for); `explore=False` turns this off. `gamma_min` is a floor on every choice (set it ≥ 1 to always speculate).
     `fixed_gamma` returns one γ always.
 
     Drafter floor. With `draft_floor`, the drafter runs one step every round, γ = 0 included (vLLM's own
@@ -280,7 +281,9 @@ class GammaPolicy:
             if state.plain_streak >= self.probe_interval and self.gamma_max >= 1:
                 gamma = 1
         if self.explore and gamma >= 1 and state is not None and state.full_block:  # not after a probe
-            gamma = max(gamma, explore_gamma(state.full_block, self.gamma_max, c, verify_cost))
+            # never past the γ that pays best when every draft is accepted: no α makes a longer one pay
+            ceiling = best_gamma(1.0, c, self.gamma_max, verify_cost)
+            gamma = max(gamma, min(explore_gamma(state.full_block, self.gamma_max, c, verify_cost), ceiling))
         return max(gamma, self.gamma_min)
 
     def plan_step(self, rows: Sequence[tuple[str, str, int, bool]], batch_size: int, *, ragged: bool = True,
@@ -325,12 +328,15 @@ class GammaPolicy:
         self._requests.pop(request_id, None)
 
     def summary(self) -> dict:
-        """Plain-dict view for telemetry: α per arm, tracked requests, measured costs."""
+        """Plain-dict view for telemetry: α per arm, tracked requests, measured costs, and how they price a step
+        at each measured batch size (`pricing`: c and v(γ) for γ = 0..gamma_max, as `choose` uses them)."""
+        measured = sorted({*self.costs.summary()["draft_step_s"], *self.costs.summary()["score_s"]})
         return {
             "arms": {arm: self.alpha(None, arm) for arm in self._arms},
             "confidence": {arm: table.summary() for arm, table in self._confidence.items()},
             "requests": len(self._requests),
             "costs": self.costs.summary(),
+            "pricing": {bs: {"c": self.draft_cost(bs), "v": self.verify_cost(bs)} for bs in measured},
             "fixed_gamma": self.fixed_gamma,
         }
 

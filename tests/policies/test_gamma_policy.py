@@ -196,6 +196,7 @@ def test_a_drafter_that_runs_every_round_is_priced_into_the_plain_round():
     speedups = {g: expected_speedup(1.0, g, floor.draft_cost(1), floor.verify_cost(1)) for g in range(1, 9)}
     assert speedups[1] == pytest.approx(2 * 2 / 2.1) and max(speedups, key=speedups.get) == 1
     assert floor.choose("r", "arm", 1) == 1
+    assert floor.summary()["pricing"] == {1: {"c": floor.draft_cost(1), "v": floor.verify_cost(1)}}
     for _ in range(5):  # fully accepted blocks: exploring a longer one does not pay here
         floor.observe("r", "arm", 1, 1)
     assert floor.choose("r", "arm", 1) == 1
@@ -203,6 +204,20 @@ def test_a_drafter_that_runs_every_round_is_priced_into_the_plain_round():
     cheap = GammaPolicy(gamma_max=8, prior_alpha=1.0, draft_floor=True)
     cheap.observe_costs(1, draft_step_s=0.05, score_s_by_tokens={1: 1.0, 9: 1.0})
     assert cheap.choose("r", "arm", 1) == 8
+
+
+def test_a_fully_accepted_run_does_not_hold_a_gamma_its_costs_no_longer_pay_for():
+    """A run of fully accepted blocks of 4 (chosen while a drafter looked free), then the drafter's step is
+    measured as dear as the target's: γ drops to what pays at α = 1 (γ = 1 here, as in the floor test above),
+    instead of staying at the block (before the ceiling, exploration kept it at 4 for as long as the run
+    lasted)."""
+    policy = GammaPolicy(gamma_max=8, prior_alpha=1.0, draft_floor=True)
+    for _ in range(3):
+        policy.observe("r", "arm", 4, 4)
+    assert policy.choose("r", "arm", 1) == 8  # c not measured yet: the default 0.1 and v ≡ 1
+    policy.observe_costs(1, draft_step_s=1.0, score_s_by_tokens={1: 1.0, 3: 1.2, 9: 1.8})
+    policy.observe("r", "arm", 4, 4)
+    assert policy.choose("r", "arm", 1) == 1
 
 
 def test_fixed_gamma_and_floor():

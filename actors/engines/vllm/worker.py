@@ -71,8 +71,7 @@ class WorkerState:
         self._drafted: dict[str, tuple[int, tuple]] = {}  # rid -> (γ, (confidence, match_len)) of the running step
         self.runner = None  # vLLM's model runner, set by plugin.register's hook before the first propose
         self._last_step_t: float | None = None
-        self._last_draft_s, self._last_draft_steps = 0.0, 0  # the last proposer call, and its sequential steps
-        self._last_score_tokens = 1
+        self._last_draft_s, self._last_draft_steps, self._last_score_tokens = 0.0, 0, 1  # proposer s, steps; n scored
         self._gammas: dict[str, int] = {}  # kind vllm: vLLM's internal id -> γ of the step being drafted
         self.draft_len = 0  # kind vllm: the step's draft length (the largest γ)
         self.verified: dict[int, int] = {}  # with record_asd: draft tokens verified in one row -> rows
@@ -159,8 +158,7 @@ class WorkerState:
 
         `sampled` [B, 1 + K]: each row's kept tokens, -1 past them; a row of `discard` (a prompt chunk) emitted
         nothing. Sets `draft_len` and the γs `cut` applies."""
-        vocab = self.runner.input_batch.vocab_size
-        tokens = sampled.tolist()
+        vocab, tokens = self.runner.input_batch.vocab_size, sampled.tolist()
         emitted = [0 if discard[i] else sum(1 for t in row if 0 <= t < vocab) for i, row in enumerate(tokens)]
         before = self.runner.input_batch.num_tokens_no_spec  # this step's tokens are not in it yet
         rows = self._round(emitted, [int(before[i]) + e for i, e in enumerate(emitted)])
@@ -319,9 +317,7 @@ class WorkerState:
     def _mirrored(self, request_ids: list[str]) -> list[float | None] | None:
         """The in-process authority's spend of these ledgers (tests); None when the authority is an actor."""
         core = getattr(self.policy.link, "core", None)
-        if core is None:
-            return None
-        return [None if core.ledger(rid) is None else core.ledger(rid).spent for rid in request_ids]
+        return None if core is None else [None if core.ledger(r) is None else core.ledger(r).spent for r in request_ids]
 
 
 WORKER: WorkerState | None = None  # this process's state (one vLLM worker per process)
@@ -395,6 +391,10 @@ class SpecserveWorkerExtension(SharedMemoryReport):
         """Rows of vLLM's verification steps by the number of draft tokens they verified (0 included); counted
         only when the unit was started with `record_asd` (tests)."""
         return {} if WORKER is None else dict(WORKER.verified)
+
+    def specserve_policy(self) -> dict[str, Any]:
+        """The γ policy as this worker prices steps (`GammaPolicy.summary`); {} before the first step."""
+        return {} if WORKER is None else WORKER.policy.gamma.summary()
 
     def specserve_live(self) -> dict[str, list[str]]:
         return {"requests": [], "ledgers": [], "drafter": []} if WORKER is None else WORKER.live()

@@ -258,6 +258,9 @@ def test_gamma_is_the_policys(unit, prompts, plain_greedy):
     assert steps and max(steps) <= GAMMA_MAX
     chosen = Counter(g for r in records for g in r.gammas if g > 0)
     assert Counter({k: n for k, n in steps.items() if k > 0}) == chosen
+    # the worker's policy tells how it prices a step at each batch size it measured (c, v(γ) with v(0) = 1)
+    pricing = unit.run_sync(unit.engine.collective_rpc("specserve_policy"))[0]["pricing"]
+    assert pricing and all(p["c"] >= 0 and p["v"][0] == 1.0 and len(p["v"]) > 1 for p in pricing.values())
 
 
 def test_asd_verdicts_replay_and_no_ledger_is_overspent(unit, prompts):
