@@ -54,7 +54,8 @@ def best_gamma(alpha: float, c: float, gamma_max: int, verify_cost: Sequence[flo
 
 def explore_gamma(block: int, gamma_max: int, c: float, verify_cost: Sequence[float]) -> int:
     """γ after a fully accepted block of `block` tokens: 2·block when that pays if the run goes on half as far
-    again (block/2 more tokens expected for the extra drafting and scoring), else `block`.
+    again (block/2 more tokens expected for the extra drafting and scoring), else `block`; never past the γ
+    that pays best at α = 1, since no acceptance makes a longer block pay.
 
     Acceptance in copy-heavy text comes in runs (a verbatim stretch is accepted until it ends), which a
     geometric α learns only after many rounds; doubling reaches γ_max = 16 from γ = 2 in three rounds. One
@@ -62,12 +63,13 @@ def explore_gamma(block: int, gamma_max: int, c: float, verify_cost: Sequence[fl
     Compared per unit of cost with the block just accepted, d = 2·block (at most γ_max):
     (block + 1 + (d − block)/2) / (d·c + v(d)) against (block + 1) / (block·c + v(block)).
     """
+    ceiling = best_gamma(1.0, c, gamma_max, verify_cost)
     doubled = min(2 * block, gamma_max)
     if block < 2 or doubled <= block:
-        return min(block, gamma_max)
+        return min(block, gamma_max, ceiling)
     stay = (block + 1) / (block * c + verify_cost[block])
     grow = (block + 1 + (doubled - block) / 2) / (doubled * c + verify_cost[doubled])
-    return doubled if grow > stay else block
+    return min(doubled if grow > stay else block, ceiling)
 
 
 @dataclass
@@ -112,9 +114,9 @@ class GammaPolicy:
     is short because a probe is cheap (scoring 2 tokens costs little more than one decode step) and requests
     are short: a request shorter than the interval that starts plain (its arm's α is low, or an early cost
     sample was slow) would never draft. After a fully accepted block, a speculating request's γ is at least
-    `explore_gamma` of it (doubling while that pays), so a verbatim stretch reaches γ_max in a few rounds,
-    but never more than the γ that pays best at α = 1 (when the costs changed since the block was chosen, a
-    fully accepted run would otherwise hold a γ its costs no longer pay for); `explore=False` turns this off. `gamma_min` is a floor on every choice (set it ≥ 1 to always speculate).
+    `explore_gamma` of it (doubling while that pays, at most the γ that pays best at α = 1), so a verbatim
+    stretch reaches γ_max in a few rounds; `explore=False` turns this off. `gamma_min` is a floor on every
+    choice (set it ≥ 1 to always speculate).
     `fixed_gamma` returns one γ always.
 
     Drafter floor. With `draft_floor`, the drafter runs one step every round, γ = 0 included (vLLM's own
@@ -281,9 +283,7 @@ class GammaPolicy:
             if state.plain_streak >= self.probe_interval and self.gamma_max >= 1:
                 gamma = 1
         if self.explore and gamma >= 1 and state is not None and state.full_block:  # not after a probe
-            # never past the γ that pays best when every draft is accepted: no α makes a longer one pay
-            ceiling = best_gamma(1.0, c, self.gamma_max, verify_cost)
-            gamma = max(gamma, min(explore_gamma(state.full_block, self.gamma_max, c, verify_cost), ceiling))
+            gamma = max(gamma, explore_gamma(state.full_block, self.gamma_max, c, verify_cost))
         return max(gamma, self.gamma_min)
 
     def plan_step(self, rows: Sequence[tuple[str, str, int, bool]], batch_size: int, *, ragged: bool = True,
@@ -330,13 +330,14 @@ class GammaPolicy:
     def summary(self) -> dict:
         """Plain-dict view for telemetry: α per arm, tracked requests, measured costs, and how they price a step
         at each measured batch size (`pricing`: c and v(γ) for γ = 0..gamma_max, as `choose` uses them)."""
-        measured = sorted({*self.costs.summary()["draft_step_s"], *self.costs.summary()["score_s"]})
+        costs = self.costs.summary()
         return {
             "arms": {arm: self.alpha(None, arm) for arm in self._arms},
             "confidence": {arm: table.summary() for arm, table in self._confidence.items()},
             "requests": len(self._requests),
-            "costs": self.costs.summary(),
-            "pricing": {bs: {"c": self.draft_cost(bs), "v": self.verify_cost(bs)} for bs in measured},
+            "costs": costs,
+            "pricing": {bs: {"c": self.draft_cost(bs), "v": self.verify_cost(bs)}
+                        for bs in sorted({*costs["draft_step_s"], *costs["score_s"]})},
             "fixed_gamma": self.fixed_gamma,
         }
 

@@ -64,6 +64,8 @@ def test_explore_doubles_while_it_pays():
     steep = [1.0 + 0.5 * k for k in range(17)]  # a busy batch: every scored token costs half a step
     assert explore_gamma(4, 16, 0.0, steep) == 4
     assert explore_gamma(4, 6, 0.0, flat) == 6  # capped at γ_max
+    convex = [1.0 + 0.05 * k * k for k in range(17)]  # at α = 1 and c = 0.1, γ = 3 pays best
+    assert explore_gamma(4, 16, 0.1, convex) == 3  # a block past that ceiling comes back to it
 
 
 def test_fully_accepted_blocks_reach_gamma_max_in_a_few_rounds():
