@@ -4,10 +4,12 @@ For the CONFIG's engine and the other local engine (as `bench.breakdown` picks t
 unit, adaptive γ, `bench.http_bench.bench_config`), driven over HTTP with greedy chat requests. Each **variant**
 is the same request with one field group added: `logprobs` (top 5), `penalties` (frequency, presence and
 repetition), `json_schema` (`response_format`); `plain` has none. Every variant runs speculative and target-only
-(`speculate: false`), at 1 and 8 concurrent streams, the variants' waves interleaved (the order alternating per
-repeat) so drift hits all alike. Per cell: tokens/s, its **cost** against `plain` (1 − tokens/s ÷ plain's), and
-the **speedup** of speculation over target-only under the variant. Goals: cost ≤ 5%, and the speedup holds
-(≥ 95% of plain's). Writes DIR/results.json and DIR/report.md.
+(`speculate: false`), at 1 and 8 concurrent streams, interleaved so that drift hits every cell alike: at one
+stream each prompt runs in every cell back to back, at N each cell's wave follows the last, the order
+alternating. Per cell: tokens/s, its **cost** against `plain` (1 − tokens/s ÷ plain's) with a bootstrap 95% CI
+over those interleaved blocks, and the **speedup** of speculation over target-only under the variant. Goals:
+cost ≤ 5% (shown when the CI's upper end is ≤ 5%), and the speedup holds (≥ 95% of plain's). Writes
+DIR/results.json and DIR/report.md after each engine.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -46,7 +49,8 @@ async def _chat(client, url: str, model: str, text: str, max_tokens: int, extra:
 
 
 def measure(url: str, model: str, texts: list[str], preset: dict) -> dict:
-    """tokens/s per load, variant and mode ("speculative" | "target_only"): Σ tokens ÷ Σ wave wall time."""
+    """Per load: tokens/s per "variant/mode" cell (Σ tokens ÷ Σ wall time) and the `blocks` they came from (one
+    per prompt and repeat at one stream, one per wave at N: {cell: [tokens, wall_s]}), for the CI."""
     import httpx
 
     cells = [(v, mode) for v in VARIANTS for mode in ("speculative", "target_only")]
@@ -56,35 +60,56 @@ def measure(url: str, model: str, texts: list[str], preset: dict) -> dict:
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             for variant, extra in VARIANTS.items():  # warm-up: compiles each grammar once
                 await _chat(client, url, model, texts[0], 8, extra, True)
+
+            async def timed(variant: str, mode: str, batch: list[str]) -> list[float]:
+                t0 = time.perf_counter()
+                counts = await asyncio.gather(*(_chat(client, url, model, t, preset["max_tokens"], VARIANTS[variant],
+                                                      mode == "speculative") for t in batch))
+                return [sum(counts), time.perf_counter() - t0]
+
             out = {}
             for n in preset["loads"]:
-                tokens = {cell: 0 for cell in cells}
-                walls = {cell: 0.0 for cell in cells}
+                blocks = []
                 for r in range(preset["repeats"]):
-                    for variant, mode in cells if r % 2 == 0 else cells[::-1]:
-                        extra = VARIANTS[variant]
-                        batch = texts if n == 1 else [texts[i % len(texts)] for i in range(n)]
-                        t0 = time.perf_counter()
-                        if n == 1:
-                            counts = [await _chat(client, url, model, t, preset["max_tokens"], extra,
-                                                  mode == "speculative") for t in batch]
-                        else:
-                            counts = await asyncio.gather(*(_chat(client, url, model, t, preset["max_tokens"], extra,
-                                                                  mode == "speculative") for t in batch))
-                        walls[variant, mode] += time.perf_counter() - t0
-                        tokens[variant, mode] += sum(counts)
-                out[str(n)] = {f"{v}/{m}": {"tokens": tokens[v, m], "wall_s": walls[v, m],
-                                            "tokens_per_s": tokens[v, m] / walls[v, m]} for v, m in cells}
-                log.info("  load %d: %s", n, ", ".join(f"{k} {c['tokens_per_s']:.1f}" for k, c in out[str(n)].items()))
+                    batches = [[t] for t in texts] if n == 1 else [[texts[i % len(texts)] for i in range(n)]]
+                    for b, batch in enumerate(batches):
+                        order = cells if (r + b) % 2 == 0 else cells[::-1]
+                        blocks.append({f"{v}/{m}": await timed(v, m, batch) for v, m in order})
+                out[str(n)] = {**_totals(blocks), "blocks": blocks}
+                log.info("  load %d: %s", n, ", ".join(f"{k} {c['tokens_per_s']:.1f}" for k, c in _totals(blocks).items()))
             return out
 
     return asyncio.run(run())
+
+
+def _totals(blocks: list[dict]) -> dict:
+    """{cell: {"tokens", "wall_s", "tokens_per_s"}} summed over `blocks`."""
+    out = {}
+    for cell in blocks[0]:
+        tokens, wall = sum(b[cell][0] for b in blocks), sum(b[cell][1] for b in blocks)
+        out[cell] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    return out
+
+
+def _cost_ci(blocks: list[dict], variant: str, draws: int = 2000, seed: int = 0) -> list[float] | None:
+    """Bootstrap 95% CI of the speculative `variant`'s cost against plain, resampling whole blocks (each holds
+    every cell, measured side by side); None with fewer than 3 blocks."""
+    if len(blocks) < 3:
+        return None
+    rng = random.Random(seed)
+    costs = []
+    for _ in range(draws):
+        sample = _totals([rng.choice(blocks) for _ in blocks])
+        costs.append(1.0 - sample[f"{variant}/speculative"]["tokens_per_s"] / sample["plain/speculative"]["tokens_per_s"])
+    costs.sort()
+    return [costs[int(0.025 * draws)], costs[int(0.975 * draws) - 1]]
 
 
 def summarize(loads: dict) -> dict:
     """Per load and variant: cost against plain, speculation's speedup, and whether both goals hold."""
     out = {}
     for n, cells in loads.items():
+        blocks = cells.get("blocks")
         plain = cells["plain/speculative"]["tokens_per_s"]
         plain_speedup = plain / cells["plain/target_only"]["tokens_per_s"]
         out[n] = {}
@@ -92,8 +117,10 @@ def summarize(loads: dict) -> dict:
             tps = cells[f"{variant}/speculative"]["tokens_per_s"]
             speedup = tps / cells[f"{variant}/target_only"]["tokens_per_s"]
             cost = 1.0 - tps / plain
-            out[n][variant] = {"tokens_per_s": tps, "cost": cost, "speedup": speedup,
-                               "cost_met": cost <= COST_GOAL, "speedup_held": speedup >= SPEEDUP_KEPT * plain_speedup}
+            ci = _cost_ci(blocks, variant) if blocks and variant != "plain" else None
+            out[n][variant] = {"tokens_per_s": tps, "cost": cost, "cost_ci": ci, "speedup": speedup,
+                               "cost_met": cost <= COST_GOAL, "cost_shown": ci is not None and ci[1] <= COST_GOAL,
+                               "speedup_held": speedup >= SPEEDUP_KEPT * plain_speedup}
     return out
 
 
@@ -105,13 +132,17 @@ def report_markdown(results: dict) -> str:
              f"the same variant (goal: ≥ {SPEEDUP_KEPT:.0%} of plain's).", ""]
     for engine in results["engines"]:
         lines += [f"## {engine['engine']} engine ({engine['config']})", "",
-                  "| load | variant | tokens/s | cost | speedup | goals |", "|---|---|---|---|---|---|"]
+                  "| load | variant | tokens/s | cost (95% CI) | speedup | goals |", "|---|---|---|---|---|---|"]
         for n, variants in engine["summary"].items():
             for variant, s in variants.items():
                 goals = "met" if s["cost_met"] and s["speedup_held"] else (
                     "missed: " + ", ".join(k for k, ok in (("cost", s["cost_met"]), ("speedup", s["speedup_held"]))
                                            if not ok))
-                lines.append(f"| {n} | {variant} | {s['tokens_per_s']:.1f} | {s['cost']:+.1%} | "
+                ci = s.get("cost_ci")
+                cost = f"{s['cost']:+.1%}" + ("" if ci is None else f" ({ci[0]:+.1%} to {ci[1]:+.1%})")
+                if ci is not None and goals == "met" and not s["cost_shown"]:
+                    goals = f"met; the CI reaches {ci[1]:+.1%}"
+                lines.append(f"| {n} | {variant} | {s['tokens_per_s']:.1f} | {cost} | "
                              f"{s['speedup']:.2f} | {goals if variant != 'plain' else '-'} |")
         lines.append("")
     for note in results.get("notes", []):
@@ -139,8 +170,10 @@ def main_section(args, command: str) -> int:
             loads = measure(app.url, app.served_name, texts, preset)
         return {"config": path, "engine": config.target.engine, "loads": loads, "summary": summarize(loads)}
 
-    results = measure_engines(args.config, "features", preset_name, command, one)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "report.md").write_text(report_markdown(results))
-    log.info("wrote %s and %s", out / "results.json", out / "report.md")
+    def write(results: dict) -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "report.md").write_text(report_markdown(results))
+        log.info("wrote %s and %s", out / "results.json", out / "report.md")
+
+    write(measure_engines(args.config, "features", preset_name, command, one, after_each=write))
     return 0

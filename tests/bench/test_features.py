@@ -29,5 +29,29 @@ def test_cost_speedup_and_goals():
     assert "| 1 | logprobs | 19.5 | +2.5% | 1.97 | met |" in text
 
 
+def _blocks(walls: list[dict[str, float]]) -> dict:
+    """Blocks of 10 tokens per cell with the given wall times (default 1 s), totals beside them as `measure` gives."""
+    blocks = [{f"{v}/{m}": [10, wall.get(f"{v}/{m}", 1.0)] for v in features.VARIANTS
+               for m in ("speculative", "target_only")} for wall in walls]
+    return {**features._totals(blocks), "blocks": blocks}
+
+
+def test_the_cost_ci_resamples_interleaved_blocks():
+    # logprobs steadily 2% slower than plain in every block: the CI is narrow and within the goal
+    steady = features.summarize({"1": _blocks([{"plain/speculative": w, "logprobs/speculative": w / 0.98}
+                                               for w in (0.8, 1.0, 1.3, 0.9, 1.1, 1.2)])})["1"]
+    low, high = steady["logprobs"]["cost_ci"]
+    assert abs(steady["logprobs"]["cost"] - 0.02) < 1e-9 and abs(low - 0.02) < 1e-9 and abs(high - 0.02) < 1e-9
+    assert steady["logprobs"]["cost_shown"] and steady["plain"]["cost_ci"] is None
+    # penalties 10% faster in half the blocks and 12% slower in the others: a 0% point estimate the CI cannot show
+    noisy = features.summarize({"1": _blocks([{"penalties/speculative": w} for w in (0.9, 1.12) * 4])})["1"]
+    low, high = noisy["penalties"]["cost_ci"]
+    assert noisy["penalties"]["cost_met"] and not noisy["penalties"]["cost_shown"] and low < 0 < 0.05 < high
+    results = {"meta": {"command": "c", "started": "now", "elapsed_s": 1}, "notes": [],
+               "engines": [{"engine": "native", "config": "configs/local.yaml", "summary": {"1": noisy}}]}
+    assert f"met; the CI reaches {high:+.1%}" in features.report_markdown(results)
+    assert features.summarize({"1": _blocks([{}, {}])})["1"]["logprobs"]["cost_ci"] is None  # too few blocks
+
+
 def test_the_cli_knows_the_section():
     assert parse_args(["--section", "features", "--quick"]).section == "features"
