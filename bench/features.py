@@ -1,15 +1,16 @@
 """`specserve bench --section features [--quick] [--out DIR] [CONFIG]`: what issue 24's request fields cost.
 
 For the CONFIG's engine and the other local engine (as `bench.breakdown` picks them), one served app each (one
-unit, adaptive γ, `bench.http_bench.bench_config`), driven over HTTP with greedy chat requests. Each **variant**
-is the same request with one field group added: `logprobs` (top 5), `penalties` (frequency, presence and
-repetition), `json_schema` (`response_format`); `plain` has none. Every variant runs speculative and target-only
-(`speculate: false`), at 1 and 8 concurrent streams, interleaved so that drift hits every cell alike: at one
-stream each prompt runs in every cell back to back, at N each cell's wave follows the last, the order
-alternating. Per cell: tokens/s, its **cost** against `plain` (1 − tokens/s ÷ plain's) with a bootstrap 95% CI
-over those interleaved blocks, and the **speedup** of speculation over target-only under the variant. Goals:
-cost ≤ 5% (shown when the CI's upper end is ≤ 5%), and the speedup holds (≥ 95% of plain's). Writes
-DIR/results.json and DIR/report.md after each engine.
+unit, adaptive γ, `bench.http_bench.bench_config`), driven over HTTP with greedy chat requests on the config's
+exact arm (forced by header: an A/B split would mix in the ASD arm's other outputs). Each **variant** is the
+same request with one field group added: `logprobs` (top 5), `penalties` (frequency, presence and repetition),
+`json_schema` (`response_format`); `plain` has none. Every variant runs speculative and target-only (`speculate:
+false`), at 1 and 8 concurrent streams, interleaved so that drift hits every cell alike: at one stream each
+prompt runs in every cell back to back, at N each cell's wave follows the last, the order alternating. Per
+cell: tokens/s, the acceptance of its drafts, its **cost** against `plain` (1 − tokens/s ÷ plain's) with a
+bootstrap 95% CI over those interleaved blocks, and the **speedup** of speculation over target-only under the
+variant. Goals: cost ≤ 5% (shown when the CI's upper end is ≤ 5%), and the speedup holds (≥ 95% of plain's).
+Writes DIR/results.json and DIR/report.md after each engine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import logging
 import random
 import time
 from pathlib import Path
+
+from cluster.serving.ab import ARM_HEADER
 
 log = logging.getLogger("specserve.bench")
 
@@ -39,18 +42,23 @@ COST_GOAL = 0.05
 SPEEDUP_KEPT = 0.95
 
 
-async def _chat(client, url: str, model: str, text: str, max_tokens: int, extra: dict, speculate: bool) -> int:
+async def _chat(client, url: str, model: str, arm: str, text: str, max_tokens: int, extra: dict,
+                speculate: bool) -> list[int]:
+    """One greedy request on `arm`: [completion tokens, draft tokens, accepted draft tokens]."""
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": 0.0, "speculate": speculate, **extra}
-    response = await client.post(f"{url}/v1/chat/completions", json=body)
+    response = await client.post(f"{url}/v1/chat/completions", json=body, headers={ARM_HEADER: arm})
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-    return response.json()["usage"]["completion_tokens"]
+    usage = response.json()["usage"]
+    speculative = usage.get("speculative") or {}
+    return [usage["completion_tokens"], speculative.get("draft_tokens", 0), speculative.get("accepted_tokens", 0)]
 
 
-def measure(url: str, model: str, texts: list[str], preset: dict) -> dict:
-    """Per load: tokens/s per "variant/mode" cell (Σ tokens ÷ Σ wall time) and the `blocks` they came from (one
-    per prompt and repeat at one stream, one per wave at N: {cell: [tokens, wall_s]}), for the CI."""
+def measure(url: str, model: str, arm: str, texts: list[str], preset: dict) -> dict:
+    """Per load, every request on `arm`: tokens/s and acceptance per "variant/mode" cell (Σ tokens ÷ Σ wall time)
+    and the `blocks` they came from (one per prompt and repeat at one stream, one per wave at N: {cell: [tokens,
+    wall_s, draft tokens, accepted]}), for the CI."""
     import httpx
 
     cells = [(v, mode) for v in VARIANTS for mode in ("speculative", "target_only")]
@@ -59,13 +67,14 @@ def measure(url: str, model: str, texts: list[str], preset: dict) -> dict:
         limits = httpx.Limits(max_connections=max(preset["loads"]) + 4)
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             for variant, extra in VARIANTS.items():  # warm-up: compiles each grammar once
-                await _chat(client, url, model, texts[0], 8, extra, True)
+                await _chat(client, url, model, arm, texts[0], 8, extra, True)
 
             async def timed(variant: str, mode: str, batch: list[str]) -> list[float]:
                 t0 = time.perf_counter()
-                counts = await asyncio.gather(*(_chat(client, url, model, t, preset["max_tokens"], VARIANTS[variant],
-                                                      mode == "speculative") for t in batch))
-                return [sum(counts), time.perf_counter() - t0]
+                counts = await asyncio.gather(*(_chat(client, url, model, arm, t, preset["max_tokens"],
+                                                      VARIANTS[variant], mode == "speculative") for t in batch))
+                tokens, draft, accepted = (sum(c[i] for c in counts) for i in range(3))
+                return [tokens, time.perf_counter() - t0, draft, accepted]
 
             out = {}
             for n in preset["loads"]:
@@ -76,18 +85,20 @@ def measure(url: str, model: str, texts: list[str], preset: dict) -> dict:
                         order = cells if (r + b) % 2 == 0 else cells[::-1]
                         blocks.append({f"{v}/{m}": await timed(v, m, batch) for v, m in order})
                 out[str(n)] = {**_totals(blocks), "blocks": blocks}
-                log.info("  load %d: %s", n, ", ".join(f"{k} {c['tokens_per_s']:.1f}" for k, c in _totals(blocks).items()))
+                log.info("  load %d: %s", n, ", ".join(f"{k} {c['tokens_per_s']:.1f}"
+                                                        for k, c in _totals(blocks).items()))
             return out
 
     return asyncio.run(run())
 
 
 def _totals(blocks: list[dict]) -> dict:
-    """{cell: {"tokens", "wall_s", "tokens_per_s"}} summed over `blocks`."""
+    """{cell: {"tokens", "wall_s", "tokens_per_s", "acceptance"}} summed over `blocks`."""
     out = {}
     for cell in blocks[0]:
-        tokens, wall = sum(b[cell][0] for b in blocks), sum(b[cell][1] for b in blocks)
-        out[cell] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+        tokens, wall, draft, accepted = (sum(b[cell][i] for b in blocks) for i in range(4))
+        out[cell] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                     "acceptance": accepted / draft if draft else None}
     return out
 
 
@@ -100,7 +111,8 @@ def _cost_ci(blocks: list[dict], variant: str, draws: int = 2000, seed: int = 0)
     costs = []
     for _ in range(draws):
         sample = _totals([rng.choice(blocks) for _ in blocks])
-        costs.append(1.0 - sample[f"{variant}/speculative"]["tokens_per_s"] / sample["plain/speculative"]["tokens_per_s"])
+        plain = sample["plain/speculative"]["tokens_per_s"]
+        costs.append(1.0 - sample[f"{variant}/speculative"]["tokens_per_s"] / plain)
     costs.sort()
     return [costs[int(0.025 * draws)], costs[int(0.975 * draws) - 1]]
 
@@ -118,7 +130,8 @@ def summarize(loads: dict) -> dict:
             speedup = tps / cells[f"{variant}/target_only"]["tokens_per_s"]
             cost = 1.0 - tps / plain
             ci = _cost_ci(blocks, variant) if blocks and variant != "plain" else None
-            out[n][variant] = {"tokens_per_s": tps, "cost": cost, "cost_ci": ci, "speedup": speedup,
+            out[n][variant] = {"tokens_per_s": tps, "acceptance": cells[f"{variant}/speculative"].get("acceptance"),
+                               "cost": cost, "cost_ci": ci, "speedup": speedup,
                                "cost_met": cost <= COST_GOAL, "cost_shown": ci is not None and ci[1] <= COST_GOAL,
                                "speedup_held": speedup >= SPEEDUP_KEPT * plain_speedup}
     return out
@@ -132,7 +145,8 @@ def report_markdown(results: dict) -> str:
              f"the same variant (goal: ≥ {SPEEDUP_KEPT:.0%} of plain's).", ""]
     for engine in results["engines"]:
         lines += [f"## {engine['engine']} engine ({engine['config']})", "",
-                  "| load | variant | tokens/s | cost (95% CI) | speedup | goals |", "|---|---|---|---|---|---|"]
+                  "| load | variant | tokens/s | acceptance | cost (95% CI) | speedup | goals |",
+                  "|---|---|---|---|---|---|---|"]
         for n, variants in engine["summary"].items():
             for variant, s in variants.items():
                 goals = "met" if s["cost_met"] and s["speedup_held"] else (
@@ -142,7 +156,8 @@ def report_markdown(results: dict) -> str:
                 cost = f"{s['cost']:+.1%}" + ("" if ci is None else f" ({ci[0]:+.1%} to {ci[1]:+.1%})")
                 if ci is not None and goals == "met" and not s["cost_shown"]:
                     goals = f"met; the CI reaches {ci[1]:+.1%}"
-                lines.append(f"| {n} | {variant} | {s['tokens_per_s']:.1f} | {cost} | "
+                acceptance = "-" if s.get("acceptance") is None else f"{s['acceptance']:.0%}"
+                lines.append(f"| {n} | {variant} | {s['tokens_per_s']:.1f} | {acceptance} | {cost} | "
                              f"{s['speedup']:.2f} | {goals if variant != 'plain' else '-'} |")
         lines.append("")
     for note in results.get("notes", []):
@@ -165,10 +180,14 @@ def main_section(args, command: str) -> int:
     def one(path: str) -> dict:
         config = load_config(path)
         texts = [text for w in preset["workloads"] for _, text, chat in _texts(w)[: preset["prompts"]] if chat]
+        arm = next((a.name for a in config.arms if a.verification == "exact"), None)
+        if arm is None:
+            raise ValueError(f"{path} has no exact arm: the features section measures exact speculation")
         with ServedApp(args.port) as app:
             app.deploy(bench_config(config, name=f"features-{config.target.engine}", fixed_gamma=None, port=args.port))
-            loads = measure(app.url, app.served_name, texts, preset)
-        return {"config": path, "engine": config.target.engine, "loads": loads, "summary": summarize(loads)}
+            loads = measure(app.url, app.served_name, arm, texts, preset)
+        return {"config": path, "engine": config.target.engine, "arm": arm, "loads": loads,
+                "summary": summarize(loads)}
 
     def write(results: dict) -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))

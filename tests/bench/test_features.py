@@ -9,7 +9,7 @@ def _cells(plain: float, target_only: float, **variants: tuple[float, float]) ->
     out = {}
     for variant in features.VARIANTS:
         spec, alone = rates.get(variant, (plain, target_only))
-        out[f"{variant}/speculative"] = {"tokens": 100, "wall_s": 100 / spec, "tokens_per_s": spec}
+        out[f"{variant}/speculative"] = {"tokens": 100, "wall_s": 100 / spec, "tokens_per_s": spec, "acceptance": 0.5}
         out[f"{variant}/target_only"] = {"tokens": 100, "wall_s": 100 / alone, "tokens_per_s": alone}
     return out
 
@@ -25,13 +25,14 @@ def test_cost_speedup_and_goals():
                "engines": [{"engine": "native", "config": "configs/local.yaml", "summary": {"1": summary}}],
                "notes": []}
     text = features.report_markdown(results)
-    assert "| 1 | penalties | 17.0 | +15.0% | 1.70 | missed: cost, speedup |" in text
-    assert "| 1 | logprobs | 19.5 | +2.5% | 1.97 | met |" in text
+    assert "| 1 | penalties | 17.0 | 50% | +15.0% | 1.70 | missed: cost, speedup |" in text
+    assert "| 1 | logprobs | 19.5 | 50% | +2.5% | 1.97 | met |" in text
 
 
 def _blocks(walls: list[dict[str, float]]) -> dict:
-    """Blocks of 10 tokens per cell with the given wall times (default 1 s), totals beside them as `measure` gives."""
-    blocks = [{f"{v}/{m}": [10, wall.get(f"{v}/{m}", 1.0)] for v in features.VARIANTS
+    """Blocks of 10 tokens per cell (4 drafted, 2 accepted) with the given wall times (default 1 s), totals beside
+    them as `measure` gives."""
+    blocks = [{f"{v}/{m}": [10, wall.get(f"{v}/{m}", 1.0), 4, 2] for v in features.VARIANTS
                for m in ("speculative", "target_only")} for wall in walls]
     return {**features._totals(blocks), "blocks": blocks}
 
@@ -43,6 +44,7 @@ def test_the_cost_ci_resamples_interleaved_blocks():
     low, high = steady["logprobs"]["cost_ci"]
     assert abs(steady["logprobs"]["cost"] - 0.02) < 1e-9 and abs(low - 0.02) < 1e-9 and abs(high - 0.02) < 1e-9
     assert steady["logprobs"]["cost_shown"] and steady["plain"]["cost_ci"] is None
+    assert steady["logprobs"]["acceptance"] == 0.5
     # penalties 10% faster in half the blocks and 12% slower in the others: a 0% point estimate the CI cannot show
     noisy = features.summarize({"1": _blocks([{"penalties/speculative": w} for w in (0.9, 1.12) * 4])})["1"]
     low, high = noisy["penalties"]["cost_ci"]
