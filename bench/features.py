@@ -102,23 +102,25 @@ def _totals(blocks: list[dict]) -> dict:
     return out
 
 
-def _cost_ci(blocks: list[dict], variant: str, draws: int = 2000, seed: int = 0) -> list[float] | None:
-    """Bootstrap 95% CI of the speculative `variant`'s cost against plain, resampling whole blocks (each holds
-    every cell, measured side by side); None with fewer than 3 blocks."""
+def _cost_ci(blocks: list[dict], variant: str, mode: str = "speculative", draws: int = 2000,
+             seed: int = 0) -> list[float] | None:
+    """Bootstrap 95% CI of `variant`'s cost against plain in `mode`, resampling whole blocks (each holds every
+    cell, measured side by side); None with fewer than 3 blocks."""
     if len(blocks) < 3:
         return None
     rng = random.Random(seed)
     costs = []
     for _ in range(draws):
         sample = _totals([rng.choice(blocks) for _ in blocks])
-        plain = sample["plain/speculative"]["tokens_per_s"]
-        costs.append(1.0 - sample[f"{variant}/speculative"]["tokens_per_s"] / plain)
+        plain = sample[f"plain/{mode}"]["tokens_per_s"]
+        costs.append(1.0 - sample[f"{variant}/{mode}"]["tokens_per_s"] / plain)
     costs.sort()
     return [costs[int(0.025 * draws)], costs[int(0.975 * draws) - 1]]
 
 
 def summarize(loads: dict) -> dict:
-    """Per load and variant: cost against plain, speculation's speedup, and whether both goals hold."""
+    """Per load and variant: cost against plain, speculation's speedup, and whether both goals hold; beside
+    them `work_cost`, the cost target-only (the field's own work, without its effect on what is accepted)."""
     out = {}
     for n, cells in loads.items():
         blocks = cells.get("blocks")
@@ -130,8 +132,11 @@ def summarize(loads: dict) -> dict:
             speedup = tps / cells[f"{variant}/target_only"]["tokens_per_s"]
             cost = 1.0 - tps / plain
             ci = _cost_ci(blocks, variant) if blocks and variant != "plain" else None
+            alone = cells[f"{variant}/target_only"]["tokens_per_s"] / cells["plain/target_only"]["tokens_per_s"]
+            work_ci = _cost_ci(blocks, variant, "target_only") if blocks and variant != "plain" else None
             out[n][variant] = {"tokens_per_s": tps, "acceptance": cells[f"{variant}/speculative"].get("acceptance"),
-                               "cost": cost, "cost_ci": ci, "speedup": speedup,
+                               "cost": cost, "cost_ci": ci, "work_cost": 1.0 - alone, "work_cost_ci": work_ci,
+                               "speedup": speedup,
                                "cost_met": cost <= COST_GOAL, "cost_shown": ci is not None and ci[1] <= COST_GOAL,
                                "speedup_held": speedup >= SPEEDUP_KEPT * plain_speedup}
     return out
@@ -145,24 +150,30 @@ def report_markdown(results: dict) -> str:
              f"the same variant (goal: ≥ {SPEEDUP_KEPT:.0%} of plain's).", ""]
     for engine in results["engines"]:
         lines += [f"## {engine['engine']} engine ({engine['config']})", "",
-                  "| load | variant | tokens/s | acceptance | cost (95% CI) | speedup | goals |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| load | variant | tokens/s | acceptance | cost (95% CI) | target-only cost (95% CI) | speedup "
+                  "| goals |",
+                  "|---|---|---|---|---|---|---|---|"]
         for n, variants in engine["summary"].items():
             for variant, s in variants.items():
                 goals = "met" if s["cost_met"] and s["speedup_held"] else (
                     "missed: " + ", ".join(k for k, ok in (("cost", s["cost_met"]), ("speedup", s["speedup_held"]))
                                            if not ok))
                 ci = s.get("cost_ci")
-                cost = f"{s['cost']:+.1%}" + ("" if ci is None else f" ({ci[0]:+.1%} to {ci[1]:+.1%})")
+                cost = _with_ci(s["cost"], ci)
+                work = "-" if "work_cost" not in s else _with_ci(s["work_cost"], s["work_cost_ci"])
                 if ci is not None and goals == "met" and not s["cost_shown"]:
                     goals = f"met; the CI reaches {ci[1]:+.1%}"
                 acceptance = "-" if s.get("acceptance") is None else f"{s['acceptance']:.0%}"
-                lines.append(f"| {n} | {variant} | {s['tokens_per_s']:.1f} | {acceptance} | {cost} | "
+                lines.append(f"| {n} | {variant} | {s['tokens_per_s']:.1f} | {acceptance} | {cost} | {work} | "
                              f"{s['speedup']:.2f} | {goals if variant != 'plain' else '-'} |")
         lines.append("")
     for note in results.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines) + "\n"
+
+
+def _with_ci(value: float, ci: list[float] | None) -> str:
+    return f"{value:+.1%}" + ("" if ci is None else f" ({ci[0]:+.1%} to {ci[1]:+.1%})")
 
 
 def main_section(args, command: str) -> int:

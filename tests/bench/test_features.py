@@ -25,8 +25,9 @@ def test_cost_speedup_and_goals():
                "engines": [{"engine": "native", "config": "configs/local.yaml", "summary": {"1": summary}}],
                "notes": []}
     text = features.report_markdown(results)
-    assert "| 1 | penalties | 17.0 | 50% | +15.0% | 1.70 | missed: cost, speedup |" in text
-    assert "| 1 | logprobs | 19.5 | 50% | +2.5% | 1.97 | met |" in text
+    assert "| 1 | penalties | 17.0 | 50% | +15.0% | +0.0% | 1.70 | missed: cost, speedup |" in text
+    assert "| 1 | logprobs | 19.5 | 50% | +2.5% | +1.0% | 1.97 | met |" in text
+    assert abs(summary["json_schema"]["work_cost"] + 0.1) < 1e-9  # target-only 11 against plain's 10
 
 
 def _blocks(walls: list[dict[str, float]]) -> dict:
