@@ -131,9 +131,10 @@ def summarize(loads: dict) -> dict:
             tps = cells[f"{variant}/speculative"]["tokens_per_s"]
             speedup = tps / cells[f"{variant}/target_only"]["tokens_per_s"]
             cost = 1.0 - tps / plain
-            ci = _cost_ci(blocks, variant) if blocks and variant != "plain" else None
+            compared = bool(blocks) and variant != "plain"
+            ci = _cost_ci(blocks, variant) if compared else None
+            work_ci = _cost_ci(blocks, variant, "target_only") if compared else None
             alone = cells[f"{variant}/target_only"]["tokens_per_s"] / cells["plain/target_only"]["tokens_per_s"]
-            work_ci = _cost_ci(blocks, variant, "target_only") if blocks and variant != "plain" else None
             out[n][variant] = {"tokens_per_s": tps, "acceptance": cells[f"{variant}/speculative"].get("acceptance"),
                                "cost": cost, "cost_ci": ci, "work_cost": 1.0 - alone, "work_cost_ci": work_ci,
                                "speedup": speedup,
@@ -179,7 +180,7 @@ def _with_ci(value: float, ci: list[float] | None) -> str:
 def main_section(args, command: str) -> int:
     """Measure every engine; write DIR/results.json and DIR/report.md."""
     from bench.breakdown import measure_engines
-    from bench.http_bench import ServedApp, bench_config
+    from bench.http_bench import ServedApp, bench_config, exact_arm
     from bench.workloads import _texts
     from cluster.config import load_config
 
@@ -191,9 +192,7 @@ def main_section(args, command: str) -> int:
     def one(path: str) -> dict:
         config = load_config(path)
         texts = [text for w in preset["workloads"] for _, text, chat in _texts(w)[: preset["prompts"]] if chat]
-        arm = next((a.name for a in config.arms if a.verification == "exact"), None)
-        if arm is None:
-            raise ValueError(f"{path} has no exact arm: the features section measures exact speculation")
+        arm = exact_arm(config)
         with ServedApp(args.port) as app:
             app.deploy(bench_config(config, name=f"features-{config.target.engine}", fixed_gamma=None, port=args.port))
             loads = measure(app.url, app.served_name, arm, texts, preset)

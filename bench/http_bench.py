@@ -56,6 +56,14 @@ def bench_config(config, *, name: str, fixed_gamma: int | None, port: int):
     })
 
 
+def exact_arm(config) -> str:
+    """The name of `config`'s first exact arm, which benchmarks force with `x-specserve-arm`; ValueError if none."""
+    for arm in config.arms:
+        if arm.verification == "exact":
+            return arm.name
+    raise ValueError("arms: the benchmark measures exact speculation and the config has no exact arm")
+
+
 class ServedApp:
     """Serve's HTTP proxy on 127.0.0.1:`port`, on a local Ray cluster started here unless one is already
     initialized in this process; `deploy` replaces the running benchmark app."""

@@ -221,12 +221,12 @@ def _part(path, resume: bool, measure):
 
 def _served_sections(args, preset: dict, log, parts) -> dict:
     from bench.fuzz import fuzz
-    from bench.http_bench import ServedApp, bench_config
+    from bench.http_bench import ServedApp, bench_config, exact_arm
     from cluster.config import load_config, parse_config
 
     config = load_config(args.config)
     prompts = _prompts(config)
-    exact = next(a.name for a in config.arms if a.verification == "exact")
+    exact = exact_arm(config)
     with ServedApp(port=args.port) as served:
 
         def fuzzed():
@@ -264,11 +264,12 @@ def _prompts(config) -> list[tuple[int, ...]]:
 def node_section(args, preset: dict, log) -> dict:
     """A worker node killed under the fault load (`bench.multinode.node_fault`): two units of the config on a
     head and two worker nodes, the target's own model as the drafter, as in the faults part."""
+    from bench.http_bench import exact_arm
     from bench.multinode import KILLED, NODES, multinode_config, node_fault
     from cluster.config import load_config
 
     config = load_config(args.config)
-    exact, prompts = next(a.name for a in config.arms if a.verification == "exact"), _prompts(config)
+    exact, prompts = exact_arm(config), _prompts(config)
     faulty = multinode_config(fault_config(config.model_copy(update={"name": "specserve-rel-node"}),
                                            drafter_source=config.target.source, concurrency=preset["concurrency"],
                                            timeout_s=FAULT_TIMEOUT_S))

@@ -1,5 +1,7 @@
 """The features section's accounting (no server): cost against plain, speculation's speedup, the goals, the report."""
 
+import pytest
+
 from bench import features
 from bench.run import parse_args
 
@@ -58,3 +60,14 @@ def test_the_cost_ci_resamples_interleaved_blocks():
 
 def test_the_cli_knows_the_section():
     assert parse_args(["--section", "features", "--quick"]).section == "features"
+
+
+def test_the_section_measures_the_exact_arm_and_refuses_a_config_without_one():
+    from bench.http_bench import exact_arm
+    from cluster.config import load_config
+
+    config = load_config("configs/local.yaml")
+    assert exact_arm(config) == "exact"
+    asd_only = config.model_copy(update={"arms": [a for a in config.arms if a.verification != "exact"]})
+    with pytest.raises(ValueError, match="arms"):
+        exact_arm(asd_only)
