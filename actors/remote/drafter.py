@@ -143,19 +143,22 @@ class NamedDrafterClient:
 
 
 def start_named_drafter(unit: str, drafter: DrafterSetup, max_slots: int, max_seq_len: int, torch_threads: int,
-                        name: str | None = None):
-    """A drafter actor named so that a process outside Ray's workers (vLLM's worker) can find it, started and
-    answering, and where it is: (handle, {address, namespace, name}). Joins a local Ray cluster when none is
-    initialized (CLI use on one machine)."""
+                        name: str | None = None, wait: bool = True):
+    """A drafter actor named so that a process outside Ray's workers (vLLM's worker) can find it, and where it is:
+    (handle, {address, namespace, name}, ready). Its model load and a first (compiling) draft are queued on the
+    actor; `ready` holds their refs, resolved here when `wait` (else the caller waits, e.g. while its target
+    engine starts). Joins a local Ray cluster when none is initialized (CLI use on one machine)."""
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     context = ray.get_runtime_context()
     name = name or f"{unit}-drafter-{os.getpid()}-{time.monotonic_ns()}"
     handle = start_drafter_actor(drafter, max_slots, max_seq_len, torch_threads, name=name)
-    ray.get(handle.active_ids.remote())  # the model is loaded before vLLM's worker looks for the actor
-    ray.get(handle.propose.remote([DraftRequest("warm-up", [1, 2, 3], 1)]))  # a first call compiles and warms
-    ray.get(handle.release.remote("warm-up"))
-    return handle, {"address": context.gcs_address, "namespace": context.namespace, "name": name}
+    ready = [handle.active_ids.remote(),  # the model is loaded before a draft is asked for
+             handle.propose.remote([DraftRequest("warm-up", [1, 2, 3], 1)]),  # a first call compiles and warms
+             handle.release.remote("warm-up")]
+    if wait:
+        ray.get(ready)
+    return handle, {"address": context.gcs_address, "namespace": context.namespace, "name": name}, ready
 
 
 def drafter_gone(handle, timeout_s: float = 5.0) -> bool:

@@ -15,6 +15,7 @@ holds ASD's verdict (the ASD hook runs inside it).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -150,3 +151,21 @@ def expand_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: i
     counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
     out = torch.repeat_interleave(x, counts, output_size=num_tokens)
     return torch.where(out == replace_from, torch.as_tensor(replace_to, dtype=out.dtype), out)
+
+
+def refusal(request: GenerationRequest, err: Exception) -> str:
+    """vLLM's refusal of a request, naming the field (`structured` for a grammar vLLM cannot compile)."""
+    field = getattr(err, "parameter", None) or ("structured" if request.params.structured is not None else None)
+    return f"{field}: {err}" if field else str(err)
+
+
+def resumed(request: GenerationRequest, emitted: list[int], left: int) -> GenerationRequest:
+    """The rest of `request` after its engine died: its prompt and what it emitted, `left` tokens to go. An ASD
+    request goes on exactly (budget 0): the dead worker's last charges may not have reached the policy actor, so
+    only exact verification is sure never to overspend its ledger."""
+    arm = request.arm
+    if arm.asd is not None:
+        arm = replace(arm, asd=replace(arm.asd, budget=0.0))
+    params = replace(request.params, max_tokens=left, min_tokens=max(0, request.params.min_tokens - len(emitted)))
+    return replace(request, prompt_ids=[*request.prompt_ids, *emitted], params=params, arm=arm)
+

@@ -4,7 +4,7 @@ vLLM's `AsyncLLM` runs the engine (engine core and `tensor_parallel_size` worker
 hook run inside the worker (`actors.engines.vllm.worker`), which keeps each request's `RequestBook`. An engine
 that fails to start raises `EngineStartError` with vLLM's error. An engine that dies is rebuilt, and each
 in-flight request resumes on the new one from its prompt and the tokens it streamed (ASD requests go on exactly:
-see `_resumed`); requests that arrive meanwhile wait for it.
+see `actors.engines.vllm.sampling.resumed`); requests that arrive meanwhile wait for it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from actors.bookkeeping import RequestBook
 from actors.drafting import DrafterSetup
-from actors.engines.vllm import shut_down
+from actors.engines.vllm import logged_cause, shut_down
 from actors.engines.vllm.args import engine_args
+from actors.engines.vllm.sampling import refusal, resumed
 from actors.requests import GenerationChunk, GenerationRequest, GenerationResult, collect
 from actors.stats import LoopObserver, NullObserver, RequestRecord
 from actors.timing import END_DEFERRED, ROUND_PARTS
@@ -59,7 +60,7 @@ class VllmUnit:
         self.eos_token_ids = tuple(info["eos_token_ids"] if eos_token_ids is None else eos_token_ids)
         self.vocab_size = info["vocab_size"]
         self.observer = observer or NullObserver()
-        self.drafter_actor, where = None, None
+        self.drafter_actor, where, self._drafter_ready = None, None, []
         self._torch_threads, self._drafter_recovery = torch_threads, None
         if drafter.kind == "model":
             from actors.drafting import check_vocab
@@ -67,8 +68,8 @@ class VllmUnit:
             check_vocab(setup.source, info["vocab_size"], drafter.source, model_info(drafter.source)["vocab_size"])
             from actors.remote.drafter import start_named_drafter
 
-            self.drafter_actor, where = start_named_drafter(unit, drafter, setup.max_slots, self.max_seq_len,
-                                                            torch_threads)
+            self.drafter_actor, where, self._drafter_ready = start_named_drafter(
+                unit, drafter, setup.max_slots, self.max_seq_len, torch_threads, wait=False)  # loads while vLLM starts
         self._drafter_where = where
         self.args = engine_args(setup, drafter, policy, model_dir=str(resolve(setup.source)),
                                 max_seq_len=self.max_seq_len, record_asd=record_asd,
@@ -89,7 +90,7 @@ class VllmUnit:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from actors.engines.vllm import PARENT_DEATH_ENV, error_chain, logged_cause
+        from actors.engines.vllm import PARENT_DEATH_ENV, error_chain
         from actors.engines.vllm.plugin import ERRORS_ENV
 
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's workers must not fork Ray or torch
@@ -119,9 +120,24 @@ class VllmUnit:
                 os.environ.pop(ERRORS_ENV, None)
                 for key, value in saved.items():
                     os.environ.pop(key) if value is None else os.environ.update({key: value})
+        self._await_drafter()
         self.generation += 1
         log.info("unit %s: vLLM engine %d ready (%s)", self.unit, self.generation, self.setup.source)
         return self
+
+    def _await_drafter(self) -> None:
+        """Wait for the drafter actor started beside the engine; `EngineStartError` (and nothing kept) if it fails."""
+        import ray
+
+        ready, self._drafter_ready = self._drafter_ready, []
+        try:
+            ray.get(ready)
+        except Exception as err:
+            engine, self.engine = self.engine, None
+            engine.shutdown()
+            self._kill_drafter()
+            raise EngineStartError(f"the drafter actor for unit {self.unit!r} failed to start: "
+                                   f"{logged_cause(str(err))}") from err
 
     async def _engine(self):
         """The running engine, waiting for a rebuild in progress."""
@@ -177,7 +193,7 @@ class VllmUnit:
                 self._drafter_recovery = asyncio.ensure_future(asyncio.to_thread(
                     start_named_drafter, self.unit, self.drafter_setup, self.setup.max_slots, self.max_seq_len,
                     self._torch_threads, self._drafter_where["name"]))
-                self.drafter_actor, _ = await self._drafter_recovery
+                self.drafter_actor, _, _ = await self._drafter_recovery
         finally:
             self._drafter_recovery = None
 
@@ -281,7 +297,7 @@ class VllmUnit:
                     died = err
                     self._engine_died(engine)
                 except VLLMClientError as err:  # vLLM refused the request before it ran
-                    raise ValueError(_refusal(request, err)) from None
+                    raise ValueError(refusal(request, err)) from None
                 finally:
                     # In its own task: a consumer that goes away may cancel this generator again while it cleans
                     # up, and the abort (freeing vLLM's KV blocks) and the worker's release must happen all the same.
@@ -295,7 +311,7 @@ class VllmUnit:
                     reason, error = "error", f"vLLM engine died: {died}"
                     break
                 log.warning("unit %s: engine died under %s after %d tokens; resuming it", self.unit, rid, len(tokens))
-                attempt = _resumed(request, tokens, left)
+                attempt = resumed(request, tokens, left)
         except (asyncio.CancelledError, GeneratorExit):
             # The consumer went away: no final chunk, but the same end work once the cleanup is done (the record to
             # the observer, as an abort; the released ledger reported to the authority when the unit is idle).
@@ -380,21 +396,4 @@ class VllmUnit:
         self.run_sync(self.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop = None
-
-
-def _refusal(request: GenerationRequest, err: Exception) -> str:
-    """vLLM's refusal of a request, naming the field (`structured` for a grammar vLLM cannot compile)."""
-    field = getattr(err, "parameter", None) or ("structured" if request.params.structured is not None else None)
-    return f"{field}: {err}" if field else str(err)
-
-
-def _resumed(request: GenerationRequest, emitted: list[int], left: int) -> GenerationRequest:
-    """The rest of `request` after its engine died: its prompt and what it emitted, `left` tokens to go. An ASD
-    request goes on exactly (budget 0): the dead worker's last charges may not have reached the policy actor, so
-    only exact verification is sure never to overspend its ledger."""
-    arm = request.arm
-    if arm.asd is not None:
-        arm = replace(arm, asd=replace(arm.asd, budget=0.0))
-    params = replace(request.params, max_tokens=left, min_tokens=max(0, request.params.min_tokens - len(emitted)))
-    return replace(request, prompt_ids=[*request.prompt_ids, *emitted], params=params, arm=arm)
 

@@ -384,6 +384,22 @@ def test_a_model_drafter_on_vllm_in_its_own_actor_is_greedy_identical(ray_cluste
     assert drafted >= 20 and accepted / drafted > 0.8, (accepted, drafted)
 
 
+def test_a_drafter_actor_that_fails_to_start_fails_the_unit_and_keeps_nothing(ray_cluster):
+    """The drafter actor loads while the target's engine starts; when it fails, the started engine is shut down
+    and the actor is gone (no named actor, no shared memory left)."""
+    before = shared_memory()
+    drafter = DrafterSetup(kind="model", source=SOURCE, engine="vllm", resources={"num_cpus": 0},
+                           engine_kwargs={"no_such_argument": 1})
+    unit = VllmUnit(unit="test-vllm-baddraft", setup=TargetSetup(SOURCE, max_slots=4, max_seq_len=1024,
+                                                               engine_kwargs=ENGINE),
+                    drafter=drafter, policy=POLICY)
+    with pytest.raises(EngineStartError, match="drafter actor .* failed to start.*no_such_argument"):
+        unit.start()
+    assert unit.engine is None and unit.drafter_actor is None
+    assert not [a for a in ray_cluster.util.list_named_actors() if "baddraft" in a]
+    assert shared_memory() <= before
+
+
 def test_usage_speculative_has_the_same_keys_and_meanings_on_both_engines(unit, tokenizer):
     """One `RequestBook` builds the record on both engines: the same request on the native engine and on vLLM
     gives `usage.speculative` with the same keys, and the same verification, arm and budget."""
