@@ -161,6 +161,11 @@ def start_named_drafter(unit: str, drafter: DrafterSetup, max_slots: int, max_se
     return handle, {"address": context.gcs_address, "namespace": context.namespace, "name": name}, ready
 
 
+def wait_started(ready: list) -> None:
+    """Wait for the `ready` refs of `start_named_drafter(..., wait=False)`; raises the actor's start error."""
+    ray.get(ready)
+
+
 def drafter_gone(handle, timeout_s: float = 5.0) -> bool:
     """True when the actor is dead for good (not merely restarting or slow)."""
     try:

@@ -127,11 +127,11 @@ class VllmUnit:
 
     def _await_drafter(self) -> None:
         """Wait for the drafter actor started beside the engine; `EngineStartError` (and nothing kept) if it fails."""
-        import ray
+        from actors.remote.drafter import wait_started
 
         ready, self._drafter_ready = self._drafter_ready, []
         try:
-            ray.get(ready)
+            wait_started(ready)
         except Exception as err:
             engine, self.engine = self.engine, None
             engine.shutdown()
