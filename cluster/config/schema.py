@@ -245,10 +245,11 @@ class ServingSettings(_Strict):
         "and point SPECSERVE_API_KEYS_FILE at it.",
     )
     protect_metrics: bool = Field(False, description="With API keys, /metrics needs a key too.")
-    protect_export: bool = Field(
-        True, description="With API keys, /v1/specserve/export (a row per request) needs a key."
-    )
+    protect_export: bool = Field(True, description="With API keys, /v1/specserve/export (a row per request) needs "
+                                 "a key.")
     max_body_bytes: int = Field(4 * 2**20, ge=1024, description="Largest request body in bytes; larger gets 413.")
+    stream_interval_ms: float = Field(0.0, ge=0, le=1000, description="A streamed choice's deltas after its first "
+                                      "are merged, one message per this interval at most; 0 sends each round's.")
 
     @field_validator("api_keys")
     @classmethod

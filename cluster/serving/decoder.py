@@ -3,7 +3,9 @@
 The ingress sends a `DecodeJob` through a streaming Serve handle; the replica runs it on its unit and streams
 back `UnitStarted` (accepted), `TextDelta`s (committed tokens and the text safe to send; streaming jobs only)
 and one `Finished` (finish reason, output ids, `usage.speculative`). Stop strings end a request here, next to
-the unit, which aborts the sequence and still reports usage; a cancelled stream frees the same way.
+the unit, which aborts the sequence and still reports usage; a cancelled stream frees the same way. With
+`serving.stream_interval_ms` a stream's deltas after its first are merged (`coalesced`: docs/architecture.md,
+"Stream batching").
 """
 
 from __future__ import annotations
@@ -193,6 +195,66 @@ async def decode_events(coordinator, job: DecodeJob, decode, unit: str) -> Async
     )
 
 
+def merge(a: TextDelta, b: TextDelta) -> TextDelta:
+    """One delta holding `a` then `b`: their text, tokens and logprobs in order."""
+    if (a.logprobs is None) != (b.logprobs is None):
+        raise ValueError("cannot merge a delta with logprobs and one without")
+    logprobs = None if a.logprobs is None else a.logprobs + b.logprobs
+    return TextDelta(a.text + b.text, a.token_ids + b.token_ids, logprobs)
+
+
+async def coalesced(events: AsyncIterator[TextDelta | Finished], interval_s: float
+                    ) -> AsyncIterator[TextDelta | Finished]:
+    """`events` with the deltas merged so that at most one is sent per `interval_s`, none held longer than that.
+
+    The order, text, tokens and logprobs are those of `events`; `interval_s` ≤ 0 passes every event through.
+    Closing the result closes `events` (the unit then aborts the sequence).
+    """
+    if interval_s <= 0:
+        async for event in events:
+            yield event
+        return
+    source = aiter(events)
+    pending: asyncio.Task | None = None
+    held: TextDelta | None = None
+    sent_at = float("-inf")
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            wait = None if held is None else max(0.0, sent_at + interval_s - time.monotonic())
+            done, _ = await asyncio.wait((pending,), timeout=wait)
+            if not done:  # the interval is over and no event came: send what is held
+                yield held
+                held, sent_at = None, time.monotonic()
+                continue
+            task, pending = pending, None
+            try:
+                event = task.result()
+            except StopAsyncIteration:
+                break
+            if isinstance(event, TextDelta):
+                held = event if held is None else merge(held, event)
+                if time.monotonic() - sent_at >= interval_s:
+                    yield held
+                    held, sent_at = None, time.monotonic()
+                continue
+            if held is not None:
+                yield held
+                held = None
+            yield event
+        if held is not None:
+            yield held
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            try:
+                await pending
+            except (asyncio.CancelledError, StopAsyncIteration):
+                pass
+        await source.aclose()
+
+
 def _entries(chunk, wanted: bool) -> tuple[TokenLogprob, ...] | None:
     """A chunk's logprobs when the job asked for them: one per token, else the engine broke its contract."""
     if not wanted:
@@ -250,7 +312,8 @@ class DecoderUnit:
     async def generate(self, job: DecodeJob) -> AsyncIterator[UnitStarted | TextDelta | Finished]:
         """Serve streaming method: `UnitStarted`, then `TextDelta`s, then one `Finished`."""
         yield UnitStarted(self.unit, time.time())
-        async for event in decode_events(self.coordinator, job, self._decode, self.unit):
+        events = decode_events(self.coordinator, job, self._decode, self.unit)
+        async for event in coalesced(events, self.config.serving.stream_interval_ms / 1000):
             yield event
 
     def check_health(self) -> None:

@@ -43,7 +43,7 @@ def tiny_config(model_dir) -> dict:
              "weight": 1},
         ],
         "serving": {"max_ongoing_requests": 4, "max_queued_requests": 4, "max_tokens_limit": 128,
-                    "default_max_tokens": 16},
+                    "default_max_tokens": 16, "stream_interval_ms": 20},  # this module's streams are batched
         "unit": {"num_cpus": 0.25, "torch_threads": 1},
         "autoscaling": {"enabled": False, "min_replicas": 1, "max_replicas": 1},
         "audit": {"fraction": 1.0, "reference_arm": "exact", "max_pending": 4},
