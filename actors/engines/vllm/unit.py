@@ -396,4 +396,3 @@ class VllmUnit:
         self.run_sync(self.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop = None
-
