@@ -71,17 +71,39 @@ class SharedMemoryReport:
 
 
 async def shut_down(engine, timeout_s: float = 30.0) -> list[str]:
-    """Shut vLLM's `AsyncLLM` down, then unlink the shared memory its workers mapped that is still there; returns
-    the names unlinked."""
+    """Shut vLLM's `AsyncLLM` down (call it once no request is left), then unlink the shared memory its workers
+    mapped that is still there; returns the names unlinked."""
     try:
         mapped = await asyncio.wait_for(engine.collective_rpc("specserve_shared_memory"), timeout_s)
     except Exception:  # noqa: BLE001 - a dead engine's workers cannot say; there is nothing to ask
         mapped = []
-    engine.shutdown()
+    stop_engine(engine, engine.vllm_config)
     released = release_shared_memory(name for names in mapped for name in names)
     if released:
         log.info("vLLM left %d shared-memory segments behind; unlinked: %s", len(released), released)
     return released
+
+
+class _PlannedKill(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "force killing" not in record.getMessage()
+
+
+def stop_engine(engine, vllm_config) -> None:
+    """Stop an engine with no request left: with the mp executor, at once (vLLM's own shutdown with no grace,
+    which SIGKILLs the engine core and its workers, rather than seconds of each interpreter's exit); with Ray's,
+    through the executor, which removes its actors. `engine` has vLLM's `shutdown(timeout)` (an `AsyncLLM`, or
+    an `LLM`'s core client); the caller unlinks the shared memory the workers mapped."""
+    at_once = vllm_config.parallel_config.distributed_executor_backend == "mp"
+    planned = _PlannedKill()  # vLLM warns when it force-kills; here that is the plan, not a fault
+    loggers = [logging.getLogger(name) for name in ("vllm.v1.utils", "vllm.utils.system_utils")]
+    for logger in loggers:
+        logger.addFilter(planned)
+    try:
+        engine.shutdown(timeout=0 if at_once else None)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(planned)
 
 
 def release_shared_memory(names) -> list[str]:

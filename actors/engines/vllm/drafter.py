@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from actors.contracts import DraftBatch, DraftRequest
+from actors.engines.vllm import SharedMemoryReport
 
 
 class VllmDrafter:
@@ -19,8 +20,7 @@ class VllmDrafter:
 
     def __init__(self, source: str, dtype: str, max_seq_len: int | None, max_slots: int,
                  engine_kwargs: dict | None = None):
-        from actors.engines.vllm import require_vllm
-        from actors.engines.vllm import PARENT_DEATH_ENV
+        from actors.engines.vllm import PARENT_DEATH_ENV, require_vllm
         from actors.sources import resolve
 
         require_vllm()
@@ -29,7 +29,8 @@ class VllmDrafter:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         os.environ[PARENT_DEATH_ENV] = "1"  # vLLM's processes end with the drafter's actor
         args = dict(model=str(resolve(source)), dtype=dtype, max_model_len=max_seq_len, max_num_seqs=max_slots,
-                    seed=0, enable_prefix_caching=True)
+                    seed=0, enable_prefix_caching=True, worker_extension_cls=SharedMemoryReport.__module__ + "."
+                    + SharedMemoryReport.__qualname__)
         self.llm = LLM(**{**args, **(engine_kwargs or {})})
 
     def propose(self, requests: list[DraftRequest]) -> DraftBatch:
@@ -53,6 +54,10 @@ class VllmDrafter:
         return []
 
     def close(self) -> None:
-        """Shut vLLM's engine processes down through vLLM, which frees their shared memory (call before the
-        actor is killed)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Stop vLLM's engine processes and unlink the shared memory they mapped (call before the actor is
+        killed)."""
+        from actors.engines.vllm import release_shared_memory, stop_engine
+
+        mapped = self.llm.collective_rpc("specserve_shared_memory")
+        stop_engine(self.llm.llm_engine.engine_core, self.llm.llm_engine.vllm_config)
+        release_shared_memory(name for names in mapped for name in names)
