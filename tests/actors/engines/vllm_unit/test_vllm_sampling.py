@@ -2,7 +2,7 @@
 penalties, logit_bias, min_tokens and structured output under speculation give what target-only decoding gives
 (the same engine's `speculate=False` rows); an ASD arm's logprobs belong to the tokens it emitted, relaxed ones
 included (checked against vLLM's own prompt logprobs of the emitted sequence); a schema vLLM cannot compile is a
-ValueError naming `structured`, and nothing is left behind. One engine for the module.
+ValueError naming `structured`, and nothing is left behind. The package's engine (conftest.py).
 """
 
 from __future__ import annotations
@@ -16,17 +16,11 @@ from tests.vllm_support import require_vllm_or_skip
 
 require_vllm_or_skip()
 
-from actors.drafting import DrafterSetup  # noqa: E402
-from actors.engines.vllm.unit import VllmUnit  # noqa: E402
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams, StructuredOutput  # noqa: E402
-from actors.setup import TargetSetup  # noqa: E402
 from policies.asd import ASDConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SOURCE = "embedded:smollm2"
-ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20}
-POLICY = dict(gamma_max=6, gamma_min=0, prior_alpha=0.6, draft_cost=0.02, fixed_gamma=None)
 MAX_TOKENS = 32
 TOL = 1e-4  # fp32: a verify pass and a one-token decode step agree to well within this
 ASD = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=3.0))
@@ -41,28 +35,12 @@ def chat(tokenizer, text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from actors.sources import load_tokenizer
-
-    return load_tokenizer(SOURCE)
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     """Copy-heavy prompts, so n-gram drafts are accepted (and, on the ASD arm, some relaxed)."""
     texts = ["Repeat this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape.",
              "Fix the typo and return the whole function:\ndef add(a, b):\n    retrun a + b\n",
              "Count from one to twenty in words, separated by commas."]
     return [chat(tokenizer, t) for t in texts]
-
-
-@pytest.fixture(scope="module")
-def unit():
-    unit = VllmUnit(unit="test-vllm-sampling", setup=TargetSetup(SOURCE, max_slots=16, max_seq_len=1024,
-                                                                   engine_kwargs=ENGINE),
-                    drafter=DrafterSetup(kind="ngram"), policy=POLICY, record_asd=True).start()
-    yield unit
-    unit.close_sync()
 
 
 def run(unit, prompts, *, tag: str, arm: ArmSpec | None = None, **params):
