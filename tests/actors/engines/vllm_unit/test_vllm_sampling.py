@@ -203,6 +203,24 @@ def test_a_schema_that_cannot_compile_is_a_value_error_naming_structured(unit, p
     assert_nothing_left(unit)
 
 
+def test_seeded_requests_whose_prefill_is_chunked_keep_the_engine_and_their_seed(unit, tokenizer):
+    """Five prompts of 900 tokens in one batch exceed vLLM's 2048-token step, so a prefill is split and its first
+    chunk's sampled token discarded. vLLM's rewind of that request's generator raised on a CPU and killed the
+    engine; now the engine lives, and each seeded target-only output equals the same request run alone."""
+    filler = tokenizer.encode(" apple banana cherry date", add_special_tokens=False)
+    asks = [[k + 100, *(filler * 300)][:900] for k in range(5)]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=70 + k, ignore_eos=True) for k in range(5)]
+    engine = unit.engine
+    together = unit.generate_many_sync(
+        [GenerationRequest(f"chunked{k}", a, p, speculate=k % 2 == 1) for k, (a, p) in enumerate(zip(asks, params))])
+    assert unit.engine is engine  # not rebuilt: no request died with it
+    assert [r.finish_reason for r in together] == ["length"] * 5
+    for k in (0, 2, 4):  # target-only: the same draws whatever the batch, once the discarded token's are undone
+        alone = unit.generate_sync(GenerationRequest(f"alone{k}", asks[k], params[k], speculate=False))
+        assert alone.token_ids == together[k].token_ids, k
+    assert_nothing_left(unit)
+
+
 def test_fifty_greedy_and_fifty_sampled_schema_outputs_all_validate(unit, tokenizer):
     """Issue 24's proof on vLLM: 50 greedy requests (each equal to target-only under the grammar) and 50 seeded
     sampled ones with a JSON schema; every output ends, parses and validates; nothing is left behind."""
