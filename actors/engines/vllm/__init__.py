@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import re
+import time
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,30 @@ class SharedMemoryReport:
         return sorted(name for name in names if not name.startswith("sem."))
 
 
+async def engine_call(engine, call, timeout_s: float, poll_s: float = 0.2):
+    """Await `call`, a call into vLLM's `AsyncLLM` `engine` (`collective_rpc`, a utility). vLLM never answers
+    a call that is pending when its engine dies, so this raises vLLM's EngineDeadError as soon as the engine is
+    found dead, and TimeoutError after `timeout_s`."""
+    task = asyncio.ensure_future(call)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not task.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"vLLM did not answer within {timeout_s:g} s")
+            await asyncio.wait([task], timeout=min(poll_s, left))
+            if not task.done() and engine.errored:
+                raise engine.dead_error
+        return task.result()
+    finally:
+        task.cancel()  # a no-op once it is done
+
+
 async def shut_down(engine, timeout_s: float = 30.0) -> list[str]:
     """Shut vLLM's `AsyncLLM` down (call it once no request is left), then unlink the shared memory its workers
     mapped that is still there; returns the names unlinked."""
     try:
-        mapped = await asyncio.wait_for(engine.collective_rpc("specserve_shared_memory"), timeout_s)
+        mapped = await engine_call(engine, engine.collective_rpc("specserve_shared_memory"), timeout_s)
     except Exception:  # noqa: BLE001 - a dead engine's workers cannot say; there is nothing to ask
         mapped = []
     stop_engine(engine, engine.vllm_config)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from actors.bookkeeping import RequestBook
 from actors.drafting import DrafterSetup
-from actors.engines.vllm import logged_cause, shut_down
+from actors.engines.vllm import engine_call, logged_cause, shut_down
 from actors.engines.vllm.args import engine_args
 from actors.engines.vllm.sampling import refusal, resumed
 from actors.requests import GenerationChunk, GenerationRequest, GenerationResult, collect
@@ -72,8 +72,8 @@ class VllmUnit:
                 unit, drafter, setup.max_slots, self.max_seq_len, torch_threads, wait=False)  # loads while vLLM starts
         self._drafter_where = where
         self.args = engine_args(setup, drafter, policy, model_dir=str(resolve(setup.source)),
-                                max_seq_len=self.max_seq_len, record_asd=record_asd,
-                                drafter_actor=where, unit=unit, policy_actor=policy_actor_address(policy_actor) if policy_actor else None)
+                                max_seq_len=self.max_seq_len, record_asd=record_asd, drafter_actor=where, unit=unit,
+                                policy_actor=policy_actor_address(policy_actor) if policy_actor else None)
         self.engine = None
         self.generation = 0  # engines started (a rebuild after a death counts)
         self._inflight: set[str] = set()
@@ -220,7 +220,7 @@ class VllmUnit:
     async def kv_stats(self) -> dict[str, int]:
         """vLLM's KV blocks (free, total) and its running and waiting requests (the engine core's own count)."""
         engine = await self._engine()
-        return await engine.engine_core.call_utility_async("specserve_kv_stats")
+        return await engine_call(engine, engine.engine_core.call_utility_async("specserve_kv_stats"), RECORD_TIMEOUT_S)
 
     async def stats(self) -> dict[str, Any]:
         """What the unit holds: active requests, the worker's live books, ledgers and drafter state, vLLM's KV."""
@@ -232,7 +232,7 @@ class VllmUnit:
     async def worker_state(self) -> dict[str, list[str]]:
         """What the worker holds for live requests: their records, open ledgers and drafter state."""
         engine = await self._engine()
-        return (await engine.collective_rpc("specserve_live"))[0]
+        return (await engine_call(engine, engine.collective_rpc("specserve_live"), RECORD_TIMEOUT_S))[0]
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream the request's tokens; the last chunk has the finish reason and the record. When the engine
@@ -335,7 +335,7 @@ class VllmUnit:
             engine = None if self._inflight else self.engine
             if engine is not None:
                 try:
-                    await asyncio.wait_for(engine.collective_rpc("specserve_flush"), RECORD_TIMEOUT_S)
+                    await engine_call(engine, engine.collective_rpc("specserve_flush"), RECORD_TIMEOUT_S)
                 except Exception as err:  # noqa: BLE001 - the next flush carries it
                     log.warning("unit %s: flush after %s: %s", self.unit, record.request_id, err)
             self.observer.on_request(replace(record, timing_s={**record.timing_s,
@@ -356,7 +356,7 @@ class VllmUnit:
         if not take:  # a dead engine: its worker's books went with it
             return {}
         try:
-            taken = await asyncio.wait_for(engine.collective_rpc("specserve_take", args=([rid],)), RECORD_TIMEOUT_S)
+            taken = await engine_call(engine, engine.collective_rpc("specserve_take", args=([rid],)), RECORD_TIMEOUT_S)
             return taken[0].get(rid, {})
         except Exception as err:  # noqa: BLE001
             log.warning("unit %s: no record for %s (%s)", self.unit, rid, err)

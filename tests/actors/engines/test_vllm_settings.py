@@ -99,3 +99,32 @@ def test_a_shut_down_engines_shared_memory_is_unlinked_and_only_what_is_still_th
     finally:
         kept.close()
         gone.close()
+
+
+def test_a_call_into_an_engine_that_dies_ends_at_once():
+    """vLLM never answers a call pending when its engine dies: `engine_call` raises the engine's dead error as
+    soon as the engine reports itself errored (and cancels the call), returns an answer, and times out."""
+    import asyncio
+    import time
+
+    from actors.engines.vllm import engine_call
+
+    class Dead(RuntimeError):
+        pass
+
+    async def scenario():
+        engine = SimpleNamespace(errored=False, dead_error=Dead("engine core died"))
+        assert await engine_call(engine, asyncio.sleep(0.01, "answer"), timeout_s=5) == "answer"
+        never = asyncio.ensure_future(asyncio.Event().wait())
+        asyncio.get_running_loop().call_later(0.1, setattr, engine, "errored", True)
+        start = time.monotonic()
+        with pytest.raises(Dead):
+            await engine_call(engine, never, timeout_s=60)
+        assert time.monotonic() - start < 1.0
+        await asyncio.sleep(0)
+        assert never.cancelled()
+        engine.errored = False
+        with pytest.raises(TimeoutError):
+            await engine_call(engine, asyncio.Event().wait(), timeout_s=0.3)
+
+    asyncio.run(scenario())
