@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 
 import pytest
@@ -28,6 +29,20 @@ def shared_memory() -> set[str]:
     from actors.engines.vllm import SHARED_MEMORY
 
     return {name for name in os.listdir(SHARED_MEMORY) if not name.startswith("sem.")}
+
+
+def assert_nothing_left(unit) -> None:
+    """A `VllmUnit` with no request left holds nothing: no book or ledger in its worker, no active request, and
+    every KV block free again (waiting for the engine core, which frees a finished request's blocks on its next
+    step)."""
+    for _ in range(50):
+        kv = unit.run_sync(unit.kv_stats())
+        if kv["free_blocks"] >= kv["total_blocks"] - 1 and not kv["running"]:
+            break
+        time.sleep(0.1)
+    live = unit.run_sync(unit.worker_state())
+    assert live["requests"] == [] and live["ledgers"] == [] and unit.active_requests() == []
+    assert kv["free_blocks"] >= kv["total_blocks"] - 1 and kv["running"] == kv["waiting"] == 0
 
 
 def replay_asd_entry(entry: dict):

@@ -15,13 +15,12 @@ medusa, mtp); test_vllm_engine holds the comparison of target-only rows with vLL
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.vllm_support import replay_asd_entry, require_vllm_or_skip
+from tests.vllm_support import assert_nothing_left, replay_asd_entry, require_vllm_or_skip
 
 require_vllm_or_skip()
 
@@ -269,15 +268,7 @@ def test_asd_verdicts_replay_and_no_ledger_is_overspent(unit, prompts):
         assert max(entry["draft_lens"]) <= GAMMA_MAX
     records = [r.record for r in results]
     assert all(r.verification == "asd" and 0.0 <= r.regret_spent <= 3.0 + 1e-9 for r in records)
-    # nothing left behind: no book or ledger in the worker, every KV block free again (vLLM's block pool)
-    for _ in range(50):  # the engine core frees a finished request's blocks on its next step
-        kv = unit.run_sync(unit.kv_stats())
-        if kv["free_blocks"] >= kv["total_blocks"] - 1 and not kv["running"]:
-            break
-        time.sleep(0.1)
-    live = unit.run_sync(unit.worker_state())
-    assert live["requests"] == [] and live["ledgers"] == []
-    assert kv["free_blocks"] >= kv["total_blocks"] - 1 and kv["running"] == kv["waiting"] == 0
+    assert_nothing_left(unit)
 
 
 def test_smollm2_drafting_for_itself_accepts_nearly_all_and_is_greedy_identical(smollm2_tokenizer):

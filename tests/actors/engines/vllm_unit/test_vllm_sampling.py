@@ -8,11 +8,10 @@ ValueError naming `structured`, and nothing is left behind. The package's engine
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from tests.vllm_support import require_vllm_or_skip
+from tests.vllm_support import assert_nothing_left, require_vllm_or_skip
 
 require_vllm_or_skip()
 
@@ -65,17 +64,6 @@ def assert_close_logprobs(a, b, tol=TOL):
 
 def speculated(results) -> bool:
     return sum(r.record.accepted_tokens for r in results) > 0
-
-
-def assert_nothing_left(unit):
-    for _ in range(50):  # the engine core frees a finished request's blocks on its next step
-        kv = unit.run_sync(unit.kv_stats())
-        if kv["free_blocks"] >= kv["total_blocks"] - 1 and not kv["running"]:
-            break
-        time.sleep(0.1)
-    live = unit.run_sync(unit.worker_state())
-    assert live["requests"] == [] and live["ledgers"] == [] and unit.active_requests() == []
-    assert kv["free_blocks"] >= kv["total_blocks"] - 1 and kv["running"] == kv["waiting"] == 0
 
 
 def test_logprobs_under_speculation_equal_target_only(unit, prompts):
