@@ -19,12 +19,13 @@
   vLLM's fixed k; Medusa, whose heads draft k positions in one pass, keeps k) and `take_draft_token_ids` cuts
   each row's drafts to its γ (`cut`) before the scheduler schedules them;
 
-makes vLLM's processes end with the unit's (`_die_with_parent`), passes vLLM's start errors to the unit
-(`_report_errors`), and adds an `EngineCore` utility, `specserve_kv_stats` (free and total KV blocks, running
-and waiting requests), that the unit reads with `call_utility_async`. Every hook is a no-op in an engine
-specserve did not start (the generators' reads the unit's settings in `additional_config`; the others need a
-specserve proposer built in the process), so vLLM engines started without specserve are unaffected. The hooks
-read vLLM 0.32 internals; `actors.engines.vllm.VLLM_RANGE` pins the versions they were written for.
+makes vLLM's processes end with the unit's (`_die_with_parent`), passes vLLM's start errors and the starting
+processes' pids to the unit (`_report_errors`, `_report_pid`), and adds an `EngineCore` utility,
+`specserve_kv_stats` (free and total KV blocks, running and waiting requests), that the unit reads with
+`call_utility_async`. Every hook is a no-op in an engine specserve did not start (the generators' reads the
+unit's settings in `additional_config`; the others need a specserve proposer built in the process), so vLLM
+engines started without specserve are unaffected. The hooks read vLLM 0.32 internals;
+`actors.engines.vllm.VLLM_RANGE` pins the versions they were written for.
 """
 
 from __future__ import annotations
@@ -71,9 +72,22 @@ def _report_errors() -> None:
         logging.getLogger("vllm").addHandler(handler)
 
 
+PIDS_ENV = "SPECSERVE_VLLM_PIDS"  # a file where the starting engine's processes write their pids
+
+
+def _report_pid() -> None:
+    """Record this process in the file the starting unit names, so the unit can stop the start when its drafter
+    actor fails first (`startup.DrafterWatch`)."""
+    path = os.environ.get(PIDS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
 def register() -> None:
     _die_with_parent()
     _report_errors()
+    _report_pid()
     try:
         from vllm.v1.engine.core import EngineCore
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner

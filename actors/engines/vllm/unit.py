@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -91,35 +90,32 @@ class VllmUnit:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from actors.engines.vllm import PARENT_DEATH_ENV, error_chain
-        from actors.engines.vllm.plugin import ERRORS_ENV
+        from actors.engines.vllm.startup import EngineStart
 
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's workers must not fork Ray or torch
         os.environ[PARENT_DEATH_ENV] = "1"  # vLLM's processes end with this one (plugin._die_with_parent)
-        with tempfile.NamedTemporaryFile("r", prefix="specserve-vllm-", suffix=".log") as errors:
-            os.environ[ERRORS_ENV] = errors.name  # vLLM's processes log their errors there (plugin._report_errors)
-            args, placement, saved = dict(self.args), None, {}
+        with EngineStart(self._drafter_ready) as start:  # stopped at once when the drafter actor fails first
+            args, placement = dict(self.args), None
             try:
                 if args.get("distributed_executor_backend") == "ray":  # vLLM's engine core inherits the Ray env
                     from actors.remote.vllm_ray import ray_placement
 
                     placement, self._placement, env = ray_placement(self.unit, self.setup.tp_size, args,
                                                                     self._placement)
-                    saved = {key: os.environ.get(key) for key in env}
-                    os.environ.update(env)
+                    start.set_env(env)
                 engine_args = AsyncEngineArgs(**args)
                 config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
                 config.parallel_config.placement_group = placement or config.parallel_config.placement_group
                 self.engine = AsyncLLM.from_vllm_config(config, enable_log_requests=engine_args.enable_log_requests,
                                                         disable_log_stats=engine_args.disable_log_stats)
             except Exception as err:
+                start.over()
                 if self.generation == 0:  # a unit that never started keeps nothing (a rebuild keeps its drafter)
                     self._kill_drafter()
+                if start.drafter_failure is not None:
+                    raise self._drafter_failed(start.drafter_failure) from start.drafter_failure
                 raise EngineStartError(f"vLLM engine for {self.setup.source!r} failed to start: "
-                                       f"{logged_cause(errors.read()) or error_chain(err)}") from err
-            finally:
-                os.environ.pop(ERRORS_ENV, None)
-                for key, value in saved.items():
-                    os.environ.pop(key) if value is None else os.environ.update({key: value})
+                                       f"{logged_cause(start.errors()) or error_chain(err)}") from err
         self._await_drafter()
         self.generation += 1
         log.info("unit %s: vLLM engine %d ready (%s)", self.unit, self.generation, self.setup.source)
@@ -136,8 +132,10 @@ class VllmUnit:
             engine, self.engine = self.engine, None
             engine.shutdown()
             self._kill_drafter()
-            raise EngineStartError(f"the drafter actor for unit {self.unit!r} failed to start: "
-                                   f"{logged_cause(str(err))}") from err
+            raise self._drafter_failed(err) from err
+
+    def _drafter_failed(self, err: BaseException) -> EngineStartError:
+        return EngineStartError(f"the drafter actor for unit {self.unit!r} failed to start: {logged_cause(str(err))}")
 
     async def _engine(self):
         """The running engine, waiting for a rebuild in progress."""

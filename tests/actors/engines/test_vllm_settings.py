@@ -128,3 +128,30 @@ def test_a_call_into_an_engine_that_dies_ends_at_once():
             await engine_call(engine, asyncio.Event().wait(), timeout_s=0.3)
 
     asyncio.run(scenario())
+
+
+def test_an_engine_start_sets_its_environment_for_the_block_and_kills_only_recorded_processes(tmp_path,
+                                                                                             monkeypatch):
+    """`EngineStart` names the errors and pids files in the environment vLLM's processes inherit, and restores
+    the environment after the block; `kill_recorded` SIGKILLs the recorded processes, never this one."""
+    import os
+    import signal
+    import subprocess
+
+    from actors.engines.vllm.plugin import ERRORS_ENV, PIDS_ENV
+    from actors.engines.vllm.startup import EngineStart, kill_recorded
+
+    monkeypatch.delenv("SPECSERVE_TEST_VAR", raising=False)
+    with EngineStart([]) as start:
+        assert os.environ[ERRORS_ENV] == start.errors_path and os.environ[PIDS_ENV] == start.pids_path
+        start.set_env({"SPECSERVE_TEST_VAR": "1"})
+        assert start.errors() == "" and os.environ["SPECSERVE_TEST_VAR"] == "1"
+    assert ERRORS_ENV not in os.environ and PIDS_ENV not in os.environ and "SPECSERVE_TEST_VAR" not in os.environ
+    assert not os.path.exists(os.path.dirname(start.pids_path))
+
+    child = subprocess.Popen(["sleep", "60"])
+    pids = tmp_path / "pids"
+    pids.write_text(f"{os.getpid()}\n{child.pid}\n")
+    assert kill_recorded(str(pids)) == [child.pid]
+    assert child.wait(timeout=10) == -signal.SIGKILL
+    assert kill_recorded(str(tmp_path / "none")) == []

@@ -269,43 +269,6 @@ def test_an_engine_that_cannot_start_fails_with_vllms_error():
     assert "memory" in str(err.value).lower() or "kv" in str(err.value).lower()
 
 
-@pytest.fixture(scope="module")
-def model_unit(ray_cluster, plain_greedy):
-    """A model drafter in its own Ray actor: SmolLM2 drafting for itself (native engine), so drafts are
-    mostly accepted and the wiring is visible in the acceptance rate."""
-    unit = VllmUnit(unit="test-vllm-model", setup=TargetSetup(SOURCE, max_slots=16, max_seq_len=1024,
-                                                            engine_kwargs=ENGINE),
-                    drafter=DrafterSetup(kind="model", source=SOURCE, resources={"num_cpus": 0}),
-                    policy={**POLICY, "fixed_gamma": 4}).start()
-    yield unit
-    unit.close_sync()
-
-
-def test_model_drafter_in_its_own_actor_is_greedy_identical(model_unit, tokenizer, plain_greedy):
-    results = model_unit.generate_many_sync([greedy(f"md{i}", p) for i, p in enumerate(prompts(tokenizer))])
-    assert [r.token_ids for r in results] == plain_greedy
-    drafted = sum(r.record.draft_tokens for r in results)
-    accepted = sum(r.record.accepted_tokens for r in results)
-    assert drafted > 0 and accepted / drafted > 0.8, (accepted, drafted)  # the target drafting for itself
-    assert not any(r.record.degraded for r in results)
-    worker = model_unit.run_sync(model_unit.worker_state())
-    assert worker["requests"] == [] and worker["drafter"] == []  # the actor freed every sequence's KV
-
-
-def test_a_killed_drafter_actor_degrades_to_target_only(model_unit, tokenizer, plain_greedy):
-    import ray
-
-    ray.kill(model_unit.drafter_actor, no_restart=True)  # gone for good: the unit starts a new one
-    results = model_unit.generate_many_sync([greedy(f"kd{i}", p) for i, p in enumerate(prompts(tokenizer))])
-    assert [r.token_ids for r in results] == plain_greedy
-    assert any(r.record.degraded for r in results)
-    for _ in range(60):  # the new actor drafts again
-        again = model_unit.generate_sync(greedy(f"back{_}", prompts(tokenizer)[0]))
-        if not again.record.degraded and again.record.draft_tokens:
-            break
-    assert again.token_ids == plain_greedy[0] and not again.record.degraded and again.record.draft_tokens > 0
-
-
 def test_a_model_drafter_on_vllm_in_its_own_actor_is_greedy_identical(ray_cluster, tokenizer, plain_greedy):
     """`drafter.engine: vllm`: the drafter's own actor runs SmolLM2 on vLLM (prefix-cached contexts). Closing
     the unit shuts that engine down through vLLM: its processes leave no shared-memory queue behind."""
@@ -343,6 +306,43 @@ def test_a_drafter_actor_that_fails_to_start_fails_the_unit_and_keeps_nothing(ra
     assert unit.engine is None and unit.drafter_actor is None
     assert not [a for a in ray_cluster.util.list_named_actors() if "baddraft" in a]
     assert shared_memory() <= before
+
+
+@pytest.fixture(scope="module")
+def model_unit(ray_cluster, plain_greedy):
+    """A model drafter in its own Ray actor: SmolLM2 drafting for itself (native engine), so drafts are
+    mostly accepted and the wiring is visible in the acceptance rate."""
+    unit = VllmUnit(unit="test-vllm-model", setup=TargetSetup(SOURCE, max_slots=16, max_seq_len=1024,
+                                                            engine_kwargs=ENGINE),
+                    drafter=DrafterSetup(kind="model", source=SOURCE, resources={"num_cpus": 0}),
+                    policy={**POLICY, "fixed_gamma": 4}).start()
+    yield unit
+    unit.close_sync()
+
+
+def test_model_drafter_in_its_own_actor_is_greedy_identical(model_unit, tokenizer, plain_greedy):
+    results = model_unit.generate_many_sync([greedy(f"md{i}", p) for i, p in enumerate(prompts(tokenizer))])
+    assert [r.token_ids for r in results] == plain_greedy
+    drafted = sum(r.record.draft_tokens for r in results)
+    accepted = sum(r.record.accepted_tokens for r in results)
+    assert drafted > 0 and accepted / drafted > 0.8, (accepted, drafted)  # the target drafting for itself
+    assert not any(r.record.degraded for r in results)
+    worker = model_unit.run_sync(model_unit.worker_state())
+    assert worker["requests"] == [] and worker["drafter"] == []  # the actor freed every sequence's KV
+
+
+def test_a_killed_drafter_actor_degrades_to_target_only(model_unit, tokenizer, plain_greedy):
+    import ray
+
+    ray.kill(model_unit.drafter_actor, no_restart=True)  # gone for good: the unit starts a new one
+    results = model_unit.generate_many_sync([greedy(f"kd{i}", p) for i, p in enumerate(prompts(tokenizer))])
+    assert [r.token_ids for r in results] == plain_greedy
+    assert any(r.record.degraded for r in results)
+    for _ in range(60):  # the new actor drafts again
+        again = model_unit.generate_sync(greedy(f"back{_}", prompts(tokenizer)[0]))
+        if not again.record.degraded and again.record.draft_tokens:
+            break
+    assert again.token_ids == plain_greedy[0] and not again.record.degraded and again.record.draft_tokens > 0
 
 
 def test_usage_speculative_has_the_same_keys_and_meanings_on_both_engines(unit, tokenizer):
