@@ -77,7 +77,7 @@ PIDS_ENV = "SPECSERVE_VLLM_PIDS"  # a file where the starting engine's processes
 
 def _report_pid() -> None:
     """Record this process in the file the starting unit names, so the unit can stop the start when its drafter
-    actor fails first (`startup.DrafterWatch`)."""
+    actor fails first (`startup.EngineStart`)."""
     path = os.environ.get(PIDS_ENV)
     if path:
         with open(path, "a") as f:
