@@ -32,7 +32,8 @@ class DraftRequest:
     context: Sequence[int]  # committed tokens: prompt + output so far
     gamma: int  # tokens wanted (≥ 1)
     sampling: SamplingSpec = GREEDY
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) the request adds to the target's logits
+    rules: Penalties | None = None  # the request's rules on the target's logits (a model drafter applies them too)
+    prompt_len: int = 0  # context[:prompt_len] is the prompt: the rules count the output after it
 
 
 @dataclass(frozen=True)

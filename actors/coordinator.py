@@ -292,7 +292,8 @@ class Coordinator:
 
     # --- draft -------------------------------------------------------------------------------------------
     async def _draft(self, rows: list[SequenceState], gammas: list[int]) -> tuple[DraftBatch, float]:
-        asks = [(i, DraftRequest(s.rid, s.tokens, g, s.request.params.spec(), s.logit_bias))
+        asks = [(i, DraftRequest(s.rid, s.tokens, g, s.request.params.spec(), s.penalties,
+                                     len(s.request.prompt_ids)))
                 for i, (s, g) in enumerate(zip(rows, gammas)) if g > 0]
         if asks and not self._drafter_ready():
             for i, _ in asks:

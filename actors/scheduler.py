@@ -72,10 +72,6 @@ class SequenceState:
     def key(self) -> RowKey:
         return RowKey(self.rid, self.request.arm.name, self.book.seeded)
 
-    @property
-    def logit_bias(self) -> tuple[tuple[int, float], ...]:
-        return self.penalties.logit_bias if self.penalties is not None else ()
-
     def allowed_drafts(self, drafts: Sequence[int]) -> int:
         """How many of `drafts` to verify: up to the first its rules ban or its grammar refuses (the target
         would reject it, and every draft after it)."""

@@ -3,10 +3,12 @@
 Its vocabulary must equal the target's; `check_vocab` says so at load, naming both models. When any row samples,
 the q rows of every drafted position come back (`draft_probs`), one-hot for greedy rows.
 
-A request's logit_bias is added to the drafter's logits too (`DraftRequest.logit_bias`), so it drafts what the
-biased target would rather keep, and no banned token. Drafting runs on the engine's device: each step's tokens are chosen there (argmax, or `RowSampler`: every
-row's distribution in one batched call, each sampled row drawing from its own generator) and fed back as a
-device tensor, so the host waits once per `propose`, when the drafts are brought back.
+A request's rules (`DraftRequest.rules`: penalties, logit_bias, min_tokens) apply to the drafter's logits as to
+the target's, each drafted position seeing the output extended by the drafts before it, so the drafter proposes
+what the penalised target would keep, and no banned token. Drafting runs on the engine's device: each step's
+tokens are chosen there (argmax, or `RowSampler`: every row's distribution in one batched call, each sampled row
+drawing from its own generator) and fed back as a device tensor, so the host waits once per `propose`, when the
+drafts are brought back.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from actors.contracts import DraftBatch, DraftRequest, Engine
 from actors.devices import to_device, to_host
 from actors.sampling import SamplingSpec, SeededGenerators
 from policies.exact import process_logits
+from policies.penalties import penalise_block
 
 
 def check_vocab(target_name: str, target_vocab: int, drafter_name: str, drafter_vocab: int) -> None:
@@ -85,15 +88,14 @@ class ModelDrafter:
         if any(not s.greedy for s in specs):
             generators = [self._generators.get(sid, spec) for sid, spec in zip(seq_ids, specs)]
             sampler = RowSampler(specs, generators, self.engine.vocab_size, device)
-        bias = _bias([requests[i].logit_bias for i in active], device)
+        rules = _Rules(requests, active, device)
         drafted = torch.zeros(len(active), width, dtype=torch.long, device=device)  # [A, Kmax]
         q_rows = None if sampler is None else torch.zeros(len(active), width, self.engine.vocab_size, device=device)
         for step in range(width):
             live = sum(g > step for g in gammas)
             fed = feeds if step == 0 else drafted[:live, step - 1 : step]  # host lists, then [L, 1] on the device
             z = self.engine.forward(seq_ids[:live], fed, [1] * live)[:, 0]  # [L, V]
-            if bias is not None:
-                z = _add_bias(z, *bias)
+            z = rules.apply(z, drafted, step)
             if sampler is None:
                 drafted[:live, step] = z.argmax(dim=-1)
             else:
@@ -118,22 +120,30 @@ class ModelDrafter:
         return list(self._cached)
 
 
-def _bias(biases: list[tuple[tuple[int, float], ...]], device) -> tuple | None:
-    """Rows' logit biases as (row of each entry, rows [N], token ids [N], biases [N]) on the device, entries in
-    row order; None when no row has one."""
-    entries = [(j, t, b) for j, bias in enumerate(biases) for t, b in bias]
-    if not entries:
-        return None
-    rows, ids, values = zip(*entries)
-    host = [torch.tensor(rows), torch.tensor(ids), torch.tensor(values, dtype=torch.float32)]
-    return (list(rows), *to_device(host, device))
+class _Rules:
+    """The drafting rows' rules (`policies.penalties.penalise_block`), applied to each step's logits with the
+    output extended by the row's drafts so far, as the target's block applies them at the same positions."""
 
+    def __init__(self, requests: list[DraftRequest], active: list[int], device):
+        self.rows = []  # (row among the drafting rows, rules, prompt ids [P], output ids [O]) on the device
+        for j, i in enumerate(active):
+            request = requests[i]
+            if request.rules is not None:
+                context = torch.as_tensor(np.asarray(request.context, dtype=np.int64))
+                prompt, output = to_device([context[: request.prompt_len], context[request.prompt_len :]], device)
+                self.rows.append((j, request.rules, prompt, output))
 
-def _add_bias(z: torch.Tensor, row_of: list[int], rows: torch.Tensor, ids: torch.Tensor,
-              values: torch.Tensor) -> torch.Tensor:
-    """z [L, V] of the first L drafting rows plus their biases (entries of rows ≥ L are dropped)."""
-    n = sum(r < z.shape[0] for r in row_of)
-    return z.index_put((rows[:n], ids[:n]), values[:n].to(z.dtype), accumulate=True)
+    def apply(self, z: torch.Tensor, drafted: torch.Tensor, step: int) -> torch.Tensor:
+        """z [L, V] of the first L drafting rows at `step`, its ruled rows penalised (a new tensor when any is);
+        drafted [A, Kmax] holds the steps before."""
+        live = [row for row in self.rows if row[0] < z.shape[0]]
+        if not live:
+            return z
+        z = z.clone()
+        for j, rules, prompt, output in live:
+            seen = torch.cat([output, drafted[j, :step]])
+            z[j] = penalise_block(z[j : j + 1], rules, prompt, seen, seen[:0])[0]
+        return z
 
 
 class RowSampler:

@@ -230,7 +230,7 @@ def test_a_model_drafter_drafts_under_the_requests_bias(tiny):
     from actors.contracts import DraftRequest
 
     drafter = ModelDrafter(Engine(tiny[1], max_slots=4, max_seq_len=256))
-    batch = drafter.propose([DraftRequest("a", PROMPTS[0], 3, logit_bias=((777, 100.0),)),
+    batch = drafter.propose([DraftRequest("a", PROMPTS[0], 3, rules=Penalties.of(logit_bias={777: 100.0})),
                              DraftRequest("b", PROMPTS[1], 2)])
     assert batch.draft_ids[0].tolist() == [777, 777, 777] and 777 not in batch.draft_ids[1].tolist()
 
@@ -243,3 +243,18 @@ def test_asd_rows_carry_a_logprob_for_every_token_they_keep(tiny, plain):
     assert sum(o.record.relaxed_tokens for o in outs) > 0
     for o in outs:
         assert [lp.token_id for lp in o.logprobs] == o.token_ids
+
+
+@pytest.mark.parametrize("rule", ["frequency", "presence", "repetition", "all"])
+def test_the_target_drafting_for_itself_under_the_rules_has_its_drafts_accepted(tiny, plain, rule):
+    """A model drafter applies the request's rules as the target does, each drafted position seeing the drafts
+    before it: the target drafting for itself proposes the penalised target's own tokens, so its drafts are
+    accepted (all but a near-tie the one-token and the block forward order differently), and the output is
+    target-only's."""
+    params = SamplingParams(max_tokens=24, **rule_cases(plain)[rule])
+    want = [o.token_ids for o in run(unit(tiny[0]), params, speculate=False, tag="t")]
+    outs = run(unit(tiny[0], ModelDrafter(Engine(tiny[0], max_slots=16, max_seq_len=256)), fixed=4), params)
+    assert [o.token_ids for o in outs] == want
+    drafted = sum(o.record.draft_tokens for o in outs)
+    accepted = sum(o.record.accepted_tokens for o in outs)
+    assert drafted >= 40 and accepted >= 0.95 * drafted, (accepted, drafted)

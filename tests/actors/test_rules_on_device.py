@@ -75,7 +75,8 @@ def test_rules_and_logprobs_on_the_device_equal_the_hosts(models):
 
 
 def test_a_biased_model_drafter_on_the_device_waits_once(models):
-    requests = [DraftRequest("a", PROMPTS[0], 3, logit_bias=((77, 4.0), (5, -100.0))), DraftRequest("b", PROMPTS[1], 2)]
+    rules = Penalties.of(frequency=0.8, presence=0.5, repetition=1.3, logit_bias={77: 4.0, 5: -100.0})
+    requests = [DraftRequest("a", PROMPTS[0], 3, rules=rules, prompt_len=4), DraftRequest("b", PROMPTS[1], 2)]
     with fake_device() as device:
         host_engine, engine = _engines(models)
         expected = ModelDrafter(host_engine).propose(requests)

@@ -9,7 +9,8 @@ sends it in `extra_args[KEY]["logit_bias"]` and adds it itself (`add_logit_bias`
 hooks before vLLM's penalties, where vLLM's own logits processor would). Logprobs are vLLM's `raw_logprobs`
 mode: log_softmax of the target's logits before penalties, bias, temperature, top-k and top-p (after the
 grammar's mask, as vLLM has it), computed by vLLM for the tokens its rejection sampler returns, which already
-holds ASD's verdict (the ASD hook runs inside it).
+holds ASD's verdict (the ASD hook runs inside it). specserve's own drafters are asked for drafts under the same
+rules (`draft_request`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 import torch
 
+from actors.contracts import DraftRequest
 from actors.requests import ArmSpec, GenerationRequest, SamplingParams, TokenLogprob
+from actors.scheduler import penalties_for
 from policies.asd import ASDConfig
 from policies.penalties import Penalties, allowed_drafts
 
@@ -51,7 +54,8 @@ def worker_request(cfg: dict[str, Any], params, prompt_ids) -> GenerationRequest
     bias = {int(t): float(b) for t, b in cfg.get("logit_bias") or ()} or None
     sampling = SamplingParams(max_tokens=params.max_tokens or 1, temperature=temperature, seed=params.seed,
                               stop_token_ids=tuple(params.stop_token_ids or ()), min_tokens=params.min_tokens or 0,
-                              logit_bias=bias)
+                              logit_bias=bias, frequency_penalty=params.frequency_penalty,
+                              presence_penalty=params.presence_penalty, repetition_penalty=params.repetition_penalty)
     return GenerationRequest(cfg["rid"], list(prompt_ids or ()), sampling, arm, speculate=bool(cfg["speculate"]))
 
 
@@ -97,6 +101,14 @@ def allowed(request: GenerationRequest, drafts: list[int], context_len: int) -> 
         return drafts
     rules = Penalties.of(logit_bias=p.logit_bias, min_tokens=p.min_tokens, stop_ids=p.stop_token_ids)
     return drafts[: allowed_drafts(drafts, rules, context_len - len(request.prompt_ids))]
+
+
+def draft_request(request: GenerationRequest, context, gamma: int) -> DraftRequest:
+    """What specserve's drafter is asked for a row: greedy drafts, under the request's penalties, logit_bias and
+    min_tokens with its stop_token_ids (vLLM adds EOS to a request's stop ids in its own processes; a drafted EOS
+    before min_tokens is only a rejected draft)."""
+    return DraftRequest(request.request_id, context, gamma, rules=penalties_for(request.params, ()),
+                        prompt_len=len(request.prompt_ids))
 
 
 def token_logprobs(positions, n: int) -> list[TokenLogprob]:

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from actors.bookkeeping import RequestBook
-from actors.contracts import DraftBatch, DraftRequest
+from actors.contracts import DraftBatch
 from actors.drafting import DrafterSetup, make_drafter
 from actors.engines.vllm import SharedMemoryReport
 from actors.policy import InProcessLink, PolicyCore, UnitPolicy
-from actors.engines.vllm.sampling import KEY, allowed, worker_request
+from actors.engines.vllm.sampling import KEY, allowed, draft_request, worker_request
 from policies import PAD_TOKEN_ID
 from policies.asd import ASDConfig, verify_asd_scores
 from policies.batch_plan import scored_tokens
@@ -130,9 +130,7 @@ class WorkerState:
             start = time.perf_counter()
             contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i, _, _ in wanted]  # views of the buffer
             contexts = [c.tolist() for c in contexts] if self.remote_drafter else contexts
-            batch_drafts = self.drafter.propose([
-                DraftRequest(b.rid, c, g, logit_bias=tuple(sorted((b.request.params.logit_bias or {}).items())))
-                for (_, b, g), c in zip(wanted, contexts)])
+            batch_drafts = self.drafter.propose([draft_request(b.request, c, g) for (_, b, g), c in zip(wanted, contexts)])
             self._last_draft_s = time.perf_counter() - start
             if batch_drafts is None:  # the model drafter is unavailable: these rows decode plainly this step
                 for _, book, _ in wanted:

@@ -1,4 +1,5 @@
-"""vLLM's per-request settings carry the whole ASD arm into the worker: g, M, B and the gate form."""
+"""vLLM's per-request settings carry the whole ASD arm into the worker (g, M, B and the gate form), and the
+request's penalties for its drafter."""
 
 from types import SimpleNamespace
 
@@ -13,9 +14,13 @@ from policies.asd import ASDConfig
 def test_the_worker_rebuilds_the_arm_the_unit_sent(gate):
     arm = ArmSpec("asd", "asd", ASDConfig(g=4.0, max_relaxed_per_block=2, budget=8.0, gate=gate))
     request = GenerationRequest("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0), arm)
-    params = SimpleNamespace(temperature=0.0, max_tokens=5, seed=None, stop_token_ids=[0], min_tokens=0)
+    params = SimpleNamespace(temperature=0.0, max_tokens=5, seed=None, stop_token_ids=[0], min_tokens=0,
+                             frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.1)
     rebuilt = _request(request_settings(request, speculate=True), params, [1, 2, 3])
     assert rebuilt.arm == arm and rebuilt.arm.asd.gate == gate
+    # the penalties reach the worker's drafter, which drafts under them
+    rules = rebuilt.params.frequency_penalty, rebuilt.params.presence_penalty, rebuilt.params.repetition_penalty
+    assert rules == (0.5, 0.25, 1.1)
 
 
 def test_vllm_params_carry_the_contract_and_the_bias_goes_where_vllm_cannot_apply_it():

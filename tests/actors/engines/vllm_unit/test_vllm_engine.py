@@ -331,6 +331,22 @@ def test_model_drafter_in_its_own_actor_is_greedy_identical(model_unit, tokenize
     assert worker["requests"] == [] and worker["drafter"] == []  # the actor freed every sequence's KV
 
 
+def test_the_drafter_actor_drafts_under_the_requests_penalties(model_unit, unit, tokenizer):
+    """The worker asks the drafter actor for drafts under each request's penalties: SmolLM2 drafting for itself
+    keeps proposing what the penalised target emits, so its drafts are still accepted, and the output equals
+    target-only decoding under the same penalties."""
+    params = dict(max_tokens=32, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.2)
+    ps = prompts(tokenizer)[:3]
+    want = unit.generate_many_sync([GenerationRequest(f"pt{i}", p, SamplingParams(**params), speculate=False)
+                                    for i, p in enumerate(ps)])
+    results = model_unit.generate_many_sync([GenerationRequest(f"pd{i}", p, SamplingParams(**params))
+                                             for i, p in enumerate(ps)])
+    assert [r.token_ids for r in results] == [w.token_ids for w in want]
+    drafted = sum(r.record.draft_tokens for r in results)
+    accepted = sum(r.record.accepted_tokens for r in results)
+    assert drafted > 0 and accepted / drafted > 0.8, (accepted, drafted)
+
+
 def test_a_killed_drafter_actor_degrades_to_target_only(model_unit, tokenizer, plain_greedy):
     import ray
 
