@@ -25,6 +25,7 @@ class EngineStart:
     def __init__(self, drafter_ready: list):
         """`drafter_ready`: the refs of the drafter actor loading beside the engine (none: nothing to watch)."""
         self.drafter_failure: BaseException | None = None  # the drafter's error, when it stopped the start
+        self.killed_segments: set[str] = set()  # shared memory the killed processes mapped (for the unit to unlink)
         self._ready, self._saved = list(drafter_ready), {}
         self._lock, self._over = threading.Lock(), False
 
@@ -74,22 +75,44 @@ class EngineStart:
                 if self._over:
                     return
                 self.drafter_failure = failure
-                kill_recorded(self.pids_path)
+                kill_recorded(self.pids_path, self.killed_segments)
             time.sleep(KILL_POLL_S)
 
 
-def kill_recorded(pids_path: str) -> list[int]:
-    """SIGKILL the processes whose pids the file lists, this process excepted; returns those signalled."""
+def kill_recorded(pids_path: str, segments: set[str] | None = None) -> list[int]:
+    """SIGKILL the processes whose pids the file lists, this process excepted; returns those signalled. They are
+    stopped first and the shared-memory segments they map are added to `segments`, so the unit can unlink what a
+    killed start left behind (no other process uses a segment of an engine that never started)."""
     try:
         with open(pids_path) as f:
             pids = {int(line) for line in f if line.strip().isdigit()}
     except FileNotFoundError:
         return []
-    killed = []
-    for pid in sorted(pids - {os.getpid()}):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return killed
+    pids = sorted(pids - {os.getpid()})
+    for pid in pids:  # all frozen first: none maps a new segment, or dies of its parent's death, before the read
+        _signal(pid, signal.SIGSTOP)
+    if segments is not None:
+        for pid in pids:
+            segments |= mapped_segments(pid)
+    return [pid for pid in pids if _signal(pid, signal.SIGKILL)]
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def mapped_segments(pid: int) -> set[str]:
+    """The names of the shared-memory segments (not semaphores) process `pid` maps; empty once it is gone."""
+    from actors.engines.vllm import SHARED_MEMORY
+
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if f" {SHARED_MEMORY}/" in line}
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return set()
+    names = (os.path.basename(path) for path in paths if not path.endswith("(deleted)"))
+    return {name for name in names if not name.startswith("sem.")}

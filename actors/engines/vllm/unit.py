@@ -89,7 +89,7 @@ class VllmUnit:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from actors.engines.vllm import PARENT_DEATH_ENV, error_chain
+        from actors.engines.vllm import PARENT_DEATH_ENV, error_chain, release_shared_memory
         from actors.engines.vllm.startup import EngineStart
 
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's workers must not fork Ray or torch
@@ -113,6 +113,7 @@ class VllmUnit:
                 if self.generation == 0:  # a unit that never started keeps nothing (a rebuild keeps its drafter)
                     self._kill_drafter()
                 if start.drafter_failure is not None:
+                    release_shared_memory(start.killed_segments)  # the watch stopped at `over`: the set is whole
                     raise self._drafter_failed(start.drafter_failure) from start.drafter_failure
                 raise EngineStartError(f"vLLM engine for {self.setup.source!r} failed to start: "
                                        f"{logged_cause(start.errors()) or error_chain(err)}") from err

@@ -138,12 +138,15 @@ def test_a_call_into_an_engine_that_dies_ends_at_once():
 def test_an_engine_start_sets_its_environment_for_the_block_and_kills_only_recorded_processes(tmp_path,
                                                                                              monkeypatch):
     """`EngineStart` names the errors and pids files in the environment vLLM's processes inherit, and restores
-    the environment after the block; `kill_recorded` SIGKILLs the recorded processes, never this one."""
+    the environment after the block; `kill_recorded` SIGKILLs the recorded processes, never this one, and reports
+    the shared memory they mapped."""
     import os
     import signal
     import subprocess
+    import sys
 
     from actors.engines.vllm.plugin import ERRORS_ENV, PIDS_ENV
+    from actors.engines.vllm import release_shared_memory
     from actors.engines.vllm.startup import EngineStart, kill_recorded
 
     monkeypatch.delenv("SPECSERVE_TEST_VAR", raising=False)
@@ -154,9 +157,17 @@ def test_an_engine_start_sets_its_environment_for_the_block_and_kills_only_recor
     assert ERRORS_ENV not in os.environ and PIDS_ENV not in os.environ and "SPECSERVE_TEST_VAR" not in os.environ
     assert not os.path.exists(os.path.dirname(start.pids_path))
 
-    child = subprocess.Popen(["sleep", "60"])
+    # a child that maps a shared-memory segment, as vLLM's queues do: the segment is reported for the unit to unlink
+    code = ("import sys, time; from multiprocessing import shared_memory, resource_tracker as r; "
+            "m = shared_memory.SharedMemory(create=True, size=4096); r.unregister(m._name, 'shared_memory'); "
+            "print(m.name, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    name = child.stdout.readline().strip().lstrip("/")
     pids = tmp_path / "pids"
     pids.write_text(f"{os.getpid()}\n{child.pid}\n")
-    assert kill_recorded(str(pids)) == [child.pid]
+    segments: set[str] = set()
+    assert kill_recorded(str(pids), segments) == [child.pid]
     assert child.wait(timeout=10) == -signal.SIGKILL
+    assert segments == {name}
+    assert release_shared_memory(segments) == [name] and not os.path.exists(f"/dev/shm/{name}")
     assert kill_recorded(str(tmp_path / "none")) == []
